@@ -1,0 +1,63 @@
+"""`FeatureBatch`: what both the cache stream and a live target hand to the drafter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FeatureBatch:
+    """Several samples packed end to end along one token axis (no padding).
+
+    `hidden` holds the captured target layers concatenated along the feature axis, in the order of
+    the cache's layer list: column block i is layer `layer_ids[i]`.
+    """
+
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # [N] int64
+    loss_mask: torch.Tensor  # [N] bool
+    target_ids: torch.Tensor  # [N] int64: the target's argmax next token at every position
+    hidden: torch.Tensor  # [N, L*H] bf16
+    cu_seqlens: torch.Tensor  # [S+1] int32, offsets of each sample in the packed axis
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sample_ids)
+
+    def position_ids(self) -> torch.Tensor:
+        """Position of every token inside its own sample, [N] int64."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths)
+        return torch.arange(self.num_tokens, device=self.input_ids.device) - starts
+
+    def sequence_ids(self) -> torch.Tensor:
+        """Index of the sample each token belongs to, [N] int64."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "FeatureBatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return FeatureBatch(
+            sample_ids=self.sample_ids,
+            input_ids=move(self.input_ids),
+            loss_mask=move(self.loss_mask),
+            target_ids=move(self.target_ids),
+            hidden=move(self.hidden),
+            cu_seqlens=move(self.cu_seqlens),
+        )
+
+    def pin_memory(self) -> "FeatureBatch":
+        return FeatureBatch(
+            sample_ids=self.sample_ids,
+            input_ids=self.input_ids.pin_memory(),
+            loss_mask=self.loss_mask.pin_memory(),
+            target_ids=self.target_ids.pin_memory(),
+            hidden=self.hidden.pin_memory(),
+            cu_seqlens=self.cu_seqlens.pin_memory(),
+        )
