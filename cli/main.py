@@ -1,0 +1,55 @@
+"""`dflash-cache`: the command group. Each command lives in its own module and only parses options,
+calls the library and shows progress."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from dflash_cache.errors import DFlashCacheError
+
+
+class Group(click.Group):
+    """Prints one line per error (a traceback only with --debug) and exits non-zero."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        except Exception as e:  # noqa: BLE001 - every failure must end as one readable line
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            kind = "" if isinstance(e, DFlashCacheError) else f"{type(e).__name__}: "
+            click.echo(f"error: {kind}{e} (run with --debug for a traceback)", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Extract a target model's hidden states once; train DFlash drafters from the cache."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _register() -> None:
+    # Commands are added here as their modules land; each module defines one click command.
+    import importlib
+
+    for name in ["inspect", "verify", "extract", "train", "export", "eval", "demo"]:
+        try:
+            module = importlib.import_module(f"dflash_cache_cli.{name}_cmd")
+        except ModuleNotFoundError as e:
+            if e.name == f"dflash_cache_cli.{name}_cmd":
+                continue
+            raise
+        main.add_command(module.command)
+
+
+_register()

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from tests.tiny import build_target, build_tokenizer, write_conversations
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
+def target_dir(request, tmp_path_factory):
+    """A tiny random-weight target directory (dense qwen3, then hybrid qwen3_5)."""
+    return build_target(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def qwen3_target_dir(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def conversations(tmp_path_factory):
+    return write_conversations(tmp_path_factory.mktemp("data") / "conversations.jsonl")

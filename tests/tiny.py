@@ -1,0 +1,106 @@
+"""Tiny tokenizers and targets built offline from configs, shared by the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3_5TextConfig
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.",
+    "A drafter proposes a block of tokens and the target verifies them in one forward pass.",
+    "Hidden states of the chosen layers are written once and read many times for training.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "user assistant system tool: hello, how are you? I am fine, thank you very much.",
+    "0123456789 numbers and letters abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+]
+
+
+def build_tokenizer(vocab_size: int = 384, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast
+
+
+def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int = 64):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(**common)
+    if arch == "qwen3_5":
+        return Qwen3_5TextConfig(
+            **common,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "linear_attention", "full_attention"] * (num_layers // 3),
+        )
+    raise ValueError(arch)
+
+
+def build_target(directory: Path, arch: str, num_layers: int = 6, seed: int = 0) -> Path:
+    """A random-weight target with its tokenizer, saved like a Hugging Face model directory."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(target_config(arch, len(tokenizer), num_layers))
+    # Random init gives near-uniform logits; sharpen the head so argmax is well separated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_conversations(path: Path, count: int = 12, seed: int = 0) -> Path:
+    """JSONL conversations of varied length in the `messages` form."""
+    g = torch.Generator().manual_seed(seed)
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for i in range(count):
+            turns = []
+            for t in range(1 + i % 3):
+                n_user = int(torch.randint(3, 12, (1,), generator=g))
+                n_asst = int(torch.randint(5, 40, (1,), generator=g))
+                pick = lambda n: " ".join(words[int(j)] for j in torch.randint(0, len(words), (n,), generator=g))  # noqa: E731
+                turns.append({"role": "user", "content": pick(n_user)})
+                turns.append({"role": "assistant", "content": pick(n_asst)})
+            messages = ([{"role": "system", "content": "Be brief."}] if i % 2 else []) + turns
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
