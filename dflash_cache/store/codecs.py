@@ -1,0 +1,101 @@
+"""Codecs for a bf16 hidden-state tensor [T, L*H].
+
+Encoding happens in two steps so that the arithmetic can run where the tensor lives (the GPU during
+extraction) and only the byte compression runs on host threads:
+
+    encode(hidden)  -> EncodedHidden (uint8 planes + optional fp8 scales), any device
+    compress(planes) -> bytes        zstd on the host; releases the GIL
+    decompress(bytes) -> planes     host; releases the GIL
+    decode(planes, scales) -> hidden bf16 [T, L*H], any device
+
+`bf16`      raw little-endian bf16 values.
+`bf16-zstd` all high bytes, then all low bytes, zstd. Lossless. The high byte (sign, exponent, top
+            mantissa bit) of real activations is very repetitive; the low byte is noise, and keeping
+            the two apart lets zstd find the structure in the first.
+`fp8-zstd`  float8 e4m3 with one fp32 scale per token per layer (amax / 448), zstd. Lossy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from dflash_cache.errors import DFlashCacheError
+
+CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ZSTD_LEVEL = 3
+
+
+def check_codec(name: str) -> str:
+    if name not in CODECS:
+        raise DFlashCacheError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    return name
+
+
+@dataclass
+class EncodedHidden:
+    planes: torch.Tensor  # uint8 [n_bytes], on the device it was encoded on
+    scales: torch.Tensor | None  # fp32 [T, L] for fp8-zstd, else None
+
+
+def encode(hidden: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
+    """Turn a bf16 [T, L*H] tensor into the bytes that get compressed (on hidden's device)."""
+    if hidden.dtype != torch.bfloat16 or hidden.dim() != 2:
+        raise ValueError(f"expected a 2-d bf16 tensor, got {hidden.dtype} {tuple(hidden.shape)}")
+    if codec == "bf16":
+        return EncodedHidden(hidden.contiguous().view(torch.uint8).reshape(-1), None)
+    if codec == "bf16-zstd":
+        pairs = hidden.contiguous().view(torch.uint8).reshape(-1, 2)  # [n, (low, high)]
+        return EncodedHidden(pairs.t().flip(0).contiguous().reshape(-1), None)
+    if codec == "fp8-zstd":
+        t = hidden.shape[0]
+        x = hidden.reshape(t, num_layers, -1).float()
+        scales = x.abs().amax(dim=-1).clamp_min(1e-30) / FP8_MAX  # [T, L]
+        q = (x / scales.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        return EncodedHidden(q.view(torch.uint8).reshape(-1), scales)
+    raise DFlashCacheError(f"unknown codec {codec!r}")
+
+
+def decode(planes: torch.Tensor, scales: torch.Tensor | None, codec: str, num_tokens: int, width: int) -> torch.Tensor:
+    """Inverse of `encode`: bf16 [num_tokens, width] on planes' device."""
+    n = num_tokens * width
+    if codec == "bf16":
+        return planes.view(torch.bfloat16).reshape(num_tokens, width)
+    if codec == "bf16-zstd":
+        pairs = planes.reshape(2, n).flip(0).t().contiguous()  # [n, (low, high)]
+        return pairs.view(torch.bfloat16).reshape(num_tokens, width)
+    if codec == "fp8-zstd":
+        num_layers = scales.shape[1]
+        q = planes.view(torch.float8_e4m3fn).reshape(num_tokens, num_layers, -1).float()
+        return (q * scales.unsqueeze(-1)).to(torch.bfloat16).reshape(num_tokens, width)
+    raise DFlashCacheError(f"unknown codec {codec!r}")
+
+
+def encoded_size(codec: str, num_tokens: int, width: int) -> int:
+    """Bytes of the planes for a [num_tokens, width] tensor."""
+    return num_tokens * width * (1 if codec == "fp8-zstd" else 2)
+
+
+def compress(planes: np.ndarray | bytes | memoryview, codec: str) -> bytes:
+    if codec == "bf16":
+        return bytes(planes)
+    # A compressor object is not thread-safe; a new one per call is cheap next to the work.
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(planes)
+
+
+def decompress(data: bytes | memoryview, codec: str, size: int) -> np.ndarray:
+    """Compressed bytes -> uint8 planes of exactly `size` bytes."""
+    if codec == "bf16":
+        raw = data
+    else:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+        except zstandard.ZstdError as e:
+            raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
+    if len(raw) != size:
+        raise DFlashCacheError(f"decoded payload has {len(raw)} bytes, expected {size}")
+    return np.frombuffer(raw, dtype=np.uint8)

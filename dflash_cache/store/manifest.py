@@ -1,0 +1,122 @@
+"""`manifest.json`: the one file that says a cache is complete, built from the per-rank journals.
+
+Building is a pure function of the journals (sorted by shard path), so merging twice gives the same
+manifest; it is written to a temporary name and renamed, so readers see the old one or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
+from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, read_journal
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class JournalState:
+    """What the journals of a cache say: its spec, committed shards and skipped samples."""
+
+    spec: dict | None
+    shards: list[ShardRecord]
+    skipped: list[dict]  # {"sample_id", "reason"}
+
+    def done_sample_ids(self) -> set[int]:
+        done = {s["sample_id"] for s in self.skipped}
+        for shard in self.shards:
+            done.update(shard.sample_ids)
+        return done
+
+
+def read_journals(root: Path) -> JournalState:
+    spec, shards, skipped = None, {}, {}
+    for path in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl")):
+        for entry in read_journal(path):
+            if "spec" in entry:
+                if spec is not None and entry["spec"] != spec:
+                    raise DFlashCacheError(f"{path}: spec differs from the other journals")
+                spec = entry["spec"]
+            elif "shard" in entry:
+                record = ShardRecord(**entry["shard"])
+                shards[record.path] = record
+            elif "skipped" in entry:
+                skipped[entry["skipped"]["sample_id"]] = entry["skipped"]
+    return JournalState(spec, [shards[p] for p in sorted(shards)], [skipped[s] for s in sorted(skipped)])
+
+
+def length_histogram(lengths: list[int]) -> list[dict]:
+    """Samples and tokens per power-of-two length range [2^k, 2^(k+1))."""
+    bins: dict[int, list[int]] = {}
+    for n in lengths:
+        bins.setdefault(max(n, 1).bit_length() - 1, []).append(n)
+    return [{"lo": 1 << k, "hi": 1 << (k + 1), "samples": len(v), "tokens": sum(v)} for k, v in sorted(bins.items())]
+
+
+def build_manifest(state: JournalState, extra: dict | None = None) -> dict:
+    if state.spec is None:
+        raise DFlashCacheError("no journal holds a cache spec: nothing was extracted")
+    lengths = [n for shard in state.shards for n in shard.num_tokens]
+    tokens = sum(lengths)
+    width = len(state.spec["layer_ids"]) * state.spec["target"]["hidden_size"]
+    hidden_bytes = sum(s.hidden_bytes for s in state.shards)
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "spec": state.spec,
+        "shards": [s.__dict__ for s in state.shards],
+        "skipped": state.skipped,
+        "totals": {
+            "samples": len(lengths),
+            "tokens": tokens,
+            "bytes": sum(s.bytes for s in state.shards),
+            "hidden_bytes": hidden_bytes,
+            "raw_hidden_bytes": tokens * width * 2,
+        },
+        "histogram": length_histogram(lengths),
+        **(extra or {}),
+    }
+
+
+def write_manifest(root: Path, manifest: dict) -> Path:
+    path = Path(root) / MANIFEST
+    tmp = path.with_name(MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
+    if not Path(root).is_dir():
+        raise DFlashCacheError(f"{root}: no such cache directory")
+    if not path.is_file():
+        raise DFlashCacheError(f"{path}: missing; the cache is incomplete (rerun the same extract command to finish it)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashCacheError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise DFlashCacheError(f"{path}: not a dflash-cache manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise DFlashCacheError(f"{path}: format version {version} is newer than this dflash-cache reads ({FORMAT_VERSION}); upgrade dflash-cache")
+    try:
+        shards = [ShardRecord(**s) for s in manifest["shards"]]
+        spec = manifest["spec"]
+        _ = spec["codec"], spec["layer_ids"], spec["target"]["hidden_size"]
+        for s in shards:
+            if len(s.sample_ids) != s.rows or len(s.num_tokens) != s.rows or sum(s.num_tokens) != s.tokens:
+                raise ValueError(f"shard {s.path} lists inconsistent rows")
+    except (KeyError, TypeError, ValueError) as e:
+        raise DFlashCacheError(f"{path}: malformed manifest ({e})") from None
+    manifest["shards"] = shards
+    return manifest

@@ -1,0 +1,59 @@
+"""Write small caches of random rows straight through the store, for tests of the readers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_cache.store.codecs import compress, encode
+from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.schema import Row
+from dflash_cache.store.shard import ShardWriter
+
+
+def random_spec(codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 32, vocab_size: int = 100) -> dict:
+    return {
+        "target": {"name": "random", "model_type": "qwen3", "config_hash": "0" * 64, "num_layers": 6,
+                   "hidden_size": hidden_size, "vocab_size": vocab_size},
+        "layer_ids": list(layer_ids),
+        "codec": codec,
+        "hidden_dtype": "bfloat16",
+        "tokenizer_hash": "0" * 64,
+        "data_hash": "0" * 64,
+        "max_length": 4096,
+        "topk": 0,
+    }
+
+
+def random_row(sample_id: int, num_tokens: int, spec: dict, seed: int = 0) -> tuple[Row, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100003 + sample_id)
+    vocab = spec["target"]["vocab_size"]
+    layers = len(spec["layer_ids"])
+    hidden = torch.randn(num_tokens, layers * spec["target"]["hidden_size"], generator=g).bfloat16()
+    enc = encode(hidden, spec["codec"], layers)
+    row = Row(
+        sample_id=sample_id,
+        input_ids=torch.randint(0, vocab, (num_tokens,), generator=g).numpy().astype(np.int32),
+        loss_mask=(torch.rand(num_tokens, generator=g) > 0.3).numpy(),
+        target_ids=torch.randint(0, vocab, (num_tokens,), generator=g).numpy().astype(np.int32),
+        hidden=compress(enc.planes.numpy(), spec["codec"]),
+        hidden_scales=None if enc.scales is None else enc.scales.numpy().tobytes(),
+    )
+    return row, hidden
+
+
+def write_random_cache(root: Path, lengths: list[int], spec: dict | None = None, rows_per_shard: int = 4, seed: int = 0) -> dict[int, torch.Tensor]:
+    """Writes a complete cache (rank 0, sample ids 0..n-1); returns the hidden tensors written."""
+    spec = spec or random_spec()
+    writer = ShardWriter(root, rank=0, spec=spec)
+    hidden = {}
+    for sid, n in enumerate(lengths):
+        row, hidden[sid] = random_row(sid, n, spec, seed)
+        writer.append(row)
+        if (sid + 1) % rows_per_shard == 0:
+            writer.commit()
+    writer.commit()
+    write_manifest(root, build_manifest(read_journals(root)))
+    return hidden
