@@ -9,9 +9,10 @@ extraction) and only the byte compression runs on host threads:
     decode(planes, scales) -> hidden bf16 [T, L*H], any device
 
 `bf16`      raw little-endian bf16 values.
-`bf16-zstd` all high bytes, then all low bytes, zstd. Lossless. The high byte (sign, exponent, top
-            mantissa bit) of real activations is very repetitive; the low byte is noise, and keeping
-            the two apart lets zstd find the structure in the first.
+`bf16-zstd` all high bytes, then all low bytes; the high-byte plane goes through zstd, the low-byte
+            plane is stored as it is. Lossless. The high byte (sign, exponent, top mantissa bit) of
+            real activations is very repetitive; the low byte is noise: zstd gains nothing on it
+            and compressing only the high plane is over twice as fast for the same size.
 `fp8-zstd`  float8 e4m3 with one fp32 scale per token per layer (amax / 448), zstd. Lossy.
 """
 
@@ -27,7 +28,7 @@ from dflash_cache.errors import DFlashCacheError
 
 CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # measured: level 1 is faster than 3 and no larger on byte-split activations
 
 
 def check_codec(name: str) -> str:
@@ -50,7 +51,7 @@ def encode(hidden: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
         return EncodedHidden(hidden.contiguous().view(torch.uint8).reshape(-1), None)
     if codec == "bf16-zstd":
         pairs = hidden.contiguous().view(torch.uint8).reshape(-1, 2)  # [n, (low, high)]
-        return EncodedHidden(pairs.t().flip(0).contiguous().reshape(-1), None)
+        return EncodedHidden(torch.cat([pairs[:, 1], pairs[:, 0]]), None)
     if codec == "fp8-zstd":
         t = hidden.shape[0]
         x = hidden.reshape(t, num_layers, -1).float()
@@ -66,7 +67,7 @@ def decode(planes: torch.Tensor, scales: torch.Tensor | None, codec: str, num_to
     if codec == "bf16":
         return planes.view(torch.bfloat16).reshape(num_tokens, width)
     if codec == "bf16-zstd":
-        pairs = planes.reshape(2, n).flip(0).t().contiguous()  # [n, (low, high)]
+        pairs = torch.stack([planes[n:], planes[:n]], dim=1)  # [n, (low, high)]
         return pairs.view(torch.bfloat16).reshape(num_tokens, width)
     if codec == "fp8-zstd":
         num_layers = scales.shape[1]
@@ -80,22 +81,40 @@ def encoded_size(codec: str, num_tokens: int, width: int) -> int:
     return num_tokens * width * (1 if codec == "fp8-zstd" else 2)
 
 
-def compress(planes: np.ndarray | bytes | memoryview, codec: str) -> bytes:
-    if codec == "bf16":
-        return bytes(planes)
+def _zstd(data) -> bytes:
     # A compressor object is not thread-safe; a new one per call is cheap next to the work.
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(planes)
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def compress(planes: np.ndarray, codec: str) -> bytes:
+    """Encoded planes (uint8, C-contiguous) -> the stored payload."""
+    if codec == "bf16":
+        return planes.tobytes()
+    if codec == "bf16-zstd":
+        half = planes.shape[0] // 2
+        return _zstd(planes[:half]) + planes[half:].tobytes()
+    return _zstd(planes)
+
+
+def _unzstd(data, size: int) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
 
 
 def decompress(data: bytes | memoryview, codec: str, size: int) -> np.ndarray:
     """Compressed bytes -> uint8 planes of exactly `size` bytes."""
-    if codec == "bf16":
-        raw = data
-    else:
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
-        except zstandard.ZstdError as e:
-            raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
+    data = memoryview(data)
+    try:
+        if codec == "bf16":
+            raw = data
+        elif codec == "bf16-zstd":
+            half = size // 2
+            if len(data) < half:
+                raise DFlashCacheError(f"corrupt {codec} payload: {len(data)} bytes is too short")
+            raw = _unzstd(data[: len(data) - half], half) + data[len(data) - half :]
+        else:
+            raw = _unzstd(data, size)
+    except zstandard.ZstdError as e:
+        raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
     if len(raw) != size:
         raise DFlashCacheError(f"decoded payload has {len(raw)} bytes, expected {size}")
     return np.frombuffer(raw, dtype=np.uint8)
