@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, read_journal
@@ -87,6 +88,7 @@ def write_manifest(root: Path, manifest: dict) -> Path:
     tmp = path.with_name(MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, separators=(",", ":"))
+        faults.point("manifest.write")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.schema import ROW_SCHEMA, Row, row_checksum
 
@@ -114,9 +115,11 @@ class ShardWriter:
         tmp, sink, writer = self._open
         writer.close()
         sink.close()
+        faults.point("shard.before_rename")
         final = tmp.with_name(tmp.name[: -len(TMP_SUFFIX)])
         os.replace(tmp, final)
         fsync_dir(final.parent)
+        faults.point("shard.before_journal")
         record = ShardRecord(
             path=f"{SHARD_DIR}/{final.name}",
             rows=len(self._rows),
@@ -128,6 +131,7 @@ class ShardWriter:
             num_tokens=[n for _, n in self._rows],
         )
         append_journal(self.journal_path, {"shard": record.__dict__})
+        faults.point("shard.committed")
         self._open, self._rows, self._hidden_bytes = None, [], 0
         self.next_index += 1
         return record

@@ -1,0 +1,240 @@
+"""`extract`: plan the work, hand it to one process per device, and finalise the manifest.
+
+Batches are planned once over the whole dataset, deterministically from the data, and batch i goes
+to rank i mod world. A sample is therefore always computed in the same batch, padded the same way,
+whatever the number of processes: a resumed run, with the same or another process count, stores
+the very same tensors as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash_cache.data.dataset import load_samples
+from dflash_cache.data.plan import plan_batches, shard_for_rank
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.extract.lock import CacheLock
+from dflash_cache.extract.spec import make_spec, spec_differences
+from dflash_cache.extract.info import TargetInfo, read_target_info
+from dflash_cache.extract.target import resolve_layer_ids
+from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
+from dflash_cache.store.codecs import check_codec
+from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest
+from dflash_cache.store.shard import SHARD_DIR, TMP_SUFFIX
+
+
+@dataclass
+class ExtractOptions:
+    target: Path
+    data: list[Path]
+    out: Path
+    layers: list[int] | None = None
+    num_draft_layers: int | None = None
+    codec: str = "bf16-zstd"
+    gpus: list[int] | None = None  # None: every visible GPU, or the CPU when there is none
+    token_budget: int = 49152
+    max_length: int = 8192
+    topk: int = 0
+    on_bad_sample: str = "error"
+    max_shard_bytes: int = 512 << 20
+    compress_threads: int | None = None
+    tokenize_workers: int = 0
+
+
+@dataclass
+class ExtractSummary:
+    samples: int
+    tokens: int
+    bytes: int
+    wall_s: float
+    truncated: int
+    skipped: int
+    ranks: list[RankSummary] = field(default_factory=list)
+    already_complete: bool = False
+    manifest: dict | None = None
+
+
+def _devices(gpus: list[int] | None) -> list[str]:
+    visible = torch.cuda.device_count()
+    if gpus is None:
+        return [f"cuda:{i}" for i in range(visible)] or ["cpu"]
+    if not gpus:
+        raise DFlashCacheError("--gpus is empty; name at least one GPU or leave it out")
+    absent = [g for g in gpus if not 0 <= g < visible]
+    if absent:
+        raise DFlashCacheError(f"GPU {absent[0]} is not visible (this machine shows {visible} GPU(s))")
+    return [f"cuda:{g}" for g in gpus]
+
+
+def _torchrun() -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) when started by torchrun."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None
+
+
+def _check_options(opts: ExtractOptions) -> None:
+    check_codec(opts.codec)
+    if opts.token_budget < 1:
+        raise DFlashCacheError(f"--token-budget must be positive, got {opts.token_budget}")
+    if opts.max_length < 2:
+        raise DFlashCacheError(f"--max-length must be at least 2, got {opts.max_length}")
+    if opts.topk < 0:
+        raise DFlashCacheError(f"--topk must be 0 or more, got {opts.topk}")
+    if opts.on_bad_sample not in ("error", "skip"):
+        raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
+    for path in opts.data:
+        if not Path(path).is_file():
+            raise DFlashCacheError(f"data file {path} does not exist")
+
+
+def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None) -> None:
+    """Delete shard files no journal lists (a crash between write and journal); `ranks` None: all."""
+    for path in (root / SHARD_DIR).glob("r*-*.arrow*"):
+        rank = int(path.name[1:].split("-")[0])
+        if ranks is not None and rank not in ranks:
+            continue
+        if path.name.endswith(TMP_SUFFIX) or f"{SHARD_DIR}/{path.name}" not in committed:
+            path.unlink()
+
+
+def _next_shard_index(root: Path, rank: int) -> int:
+    used = [int(p.name.split("-")[1].split(".")[0]) for p in (root / SHARD_DIR).glob(f"r{rank}-*.arrow*")]
+    return max(used, default=-1) + 1
+
+
+def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None, on_plan: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
+    """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens)`
+    is called once with the work left to do."""
+    started = time.perf_counter()
+    _check_options(opts)
+    info: TargetInfo = read_target_info(opts.target)
+    layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
+    dist = _torchrun()
+    if dist is None:
+        devices = _devices(opts.gpus)
+        rank_ids, world = list(range(len(devices))), len(devices)
+    else:
+        rank, world, local = dist
+        devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
+        rank_ids = [rank]
+    root = Path(opts.out)
+    if root.exists() and not root.is_dir():
+        raise DFlashCacheError(f"--out {root} exists and is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    locks = [CacheLock(root, "main" if dist is None else f"r{rank_ids[0]}").acquire()]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+        data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers)
+        if not data.samples:
+            raise DFlashCacheError("the data files hold no samples")
+        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk)
+        state = read_journals(root)
+        if state.spec is not None and state.spec != spec:
+            diffs = "; ".join(spec_differences(state.spec, spec))
+            raise DFlashCacheError(f"{root} holds a cache made with other settings ({diffs}); use another --out")
+        if (root / MANIFEST).exists() and state.spec is None:
+            raise DFlashCacheError(f"{root} has a manifest but no journals; it was not written by extract, use another --out")
+        done = state.done_sample_ids()
+        _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
+        all_ids = [s.sample_id for s in data.samples]
+        batches = plan_batches(all_ids, data.lengths(), opts.token_budget, seed=None)
+        by_id = {s.sample_id: s for s in data.samples}
+        left = [s for s in data.samples if s.sample_id not in done]
+        on_plan(len(left), sum(len(s.input_ids) for s in left))
+        threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
+        jobs = []
+        for rank, device in zip(rank_ids, devices):
+            mine = shard_for_rank(batches, rank, world, drop_remainder=False)
+            jobs.append(
+                RankJob(
+                    root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, batches=mine,
+                    samples={sid: by_id[sid] for batch in mine for sid in batch},
+                    done={sid for batch in mine for sid in batch if sid in done},
+                    first_shard_index=_next_shard_index(root, rank), on_bad_sample=opts.on_bad_sample,
+                    max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
+                    write_target_files=rank == 0 and not (root / "target" / "head.safetensors").exists(),
+                )
+            )
+        summaries = _run_jobs(jobs, on_progress)
+        manifest = _finalise(root, all_ids, data.num_truncated)
+    finally:
+        for lock in locks:
+            lock.release()
+    return ExtractSummary(
+        samples=sum(s.samples for s in summaries),
+        tokens=sum(s.tokens for s in summaries),
+        bytes=sum(s.bytes for s in summaries),
+        wall_s=time.perf_counter() - started,
+        truncated=data.num_truncated,
+        skipped=sum(len(s.skipped) for s in summaries),
+        ranks=summaries,
+        already_complete=not left,
+        manifest=manifest,
+    )
+
+
+def _finalise(root: Path, all_ids: list[int], truncated: int) -> dict | None:
+    """Write the manifest once the journals cover every sample (under torchrun, the last rank to
+    finish does it; two ranks doing it at once write the same bytes)."""
+    state = read_journals(root)
+    missing = set(all_ids) - state.done_sample_ids()
+    if missing:
+        return None
+    manifest = build_manifest(state, {"extract": {"truncated": truncated}})
+    write_manifest(root, manifest)
+    return manifest
+
+
+def _run_jobs(jobs: list[RankJob], on_progress: Callable[[Progress], None]) -> list[RankSummary]:
+    if len(jobs) == 1:
+        return [run_rank(jobs[0], on_progress)]
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(job, events), name=f"extract-r{job.rank}", daemon=True) for job in jobs]
+    for p in procs:
+        p.start()
+    summaries: dict[int, RankSummary] = {}
+    try:
+        while len(summaries) < len(jobs):
+            try:
+                kind, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise DFlashCacheError(f"{dead[0].name} died (exit code {dead[0].exitcode}); rerun the same command to resume")
+                continue
+            if kind == "progress":
+                on_progress(payload)
+            elif kind == "done":
+                summaries[payload.rank] = payload
+            else:
+                raise DFlashCacheError(payload)
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid not in {None}:
+                if len(summaries) < len(jobs):
+                    p.kill()
+            p.join(timeout=30)
+    return [summaries[j.rank] for j in jobs]
+
+
+def _child(job: RankJob, events) -> None:
+    try:
+        summary = run_rank(job, lambda p: events.put(("progress", p)))
+        events.put(("done", summary))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+        message = str(e) if isinstance(e, DFlashCacheError) else f"{type(e).__name__}: {e}"
+        events.put(("error", f"rank {job.rank} on {job.device}: {message}"))
+        if os.environ.get("DFLASH_CACHE_DEBUG"):
+            traceback.print_exc()

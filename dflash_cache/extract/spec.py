@@ -1,0 +1,53 @@
+"""The cache spec: everything that must be equal for two extraction runs to share one cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from dflash_cache.extract.info import TargetInfo
+
+HIDDEN_DTYPE = "bfloat16"
+
+
+def tokenizer_hash(target_path: Path) -> str:
+    """sha256 over the tokenizer files the target directory holds (name and bytes, sorted)."""
+    sha = hashlib.sha256()
+    for name in sorted(["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja"]):
+        path = target_path / name
+        if path.is_file():
+            sha.update(name.encode() + b"\0" + path.read_bytes())
+    return sha.hexdigest()
+
+
+def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int) -> dict:
+    return {
+        "target": {
+            "name": target.path.name,
+            "model_type": target.model_type,
+            "config_hash": target.config_hash,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+        },
+        "layer_ids": list(layer_ids),
+        "codec": codec,
+        "hidden_dtype": HIDDEN_DTYPE,
+        "tokenizer_hash": tokenizer_hash(target.path),
+        "data_hash": data_hash,
+        "max_length": max_length,
+        "topk": topk,
+    }
+
+
+def spec_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable 'field: old -> new' lines for every leaf that differs."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += spec_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            short = lambda v: (v[:12] + "...") if isinstance(v, str) and len(v) > 16 else v  # noqa: E731
+            diffs.append(f"{prefix}{key}: {short(a)} -> {short(b)}")
+    return diffs
