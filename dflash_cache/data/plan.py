@@ -1,0 +1,113 @@
+"""Length buckets and token-budget batches, shared by extraction and training.
+
+A plan is a list of batches, each a list of sample ids. Samples are grouped into length buckets
+(boundaries at powers of two and 1.5x powers of two, so lengths inside a bucket differ by at most
+1.5x) and batches never cross a bucket, so a batch holds samples of similar length: packed it wastes
+no tokens, padded it wastes little. Each batch is filled up to the token budget (the sum of its
+samples' lengths); a sample longer than the budget gets a batch of its own.
+
+Without a seed the plan is deterministic from the data (extraction): samples sorted by
+(length, id) inside each bucket, buckets from short to long. With a seed (training) samples are
+shuffled inside their bucket and the batch order is shuffled, both from a numpy Generator seeded by
+(seed, epoch), so every rank computes the same global plan whatever the world size.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from dflash_cache.errors import DFlashCacheError
+
+
+def length_buckets(max_length: int, smallest: int = 64) -> list[int]:
+    """Boundaries b: bucket k holds lengths in [b[k], b[k+1]), from 1 to max_length inclusive."""
+    bounds = [1]
+    edge = smallest
+    while edge <= max_length:
+        bounds += [b for b in (edge, edge * 3 // 2) if b <= max_length]
+        edge *= 2
+    return bounds + [max_length + 1]
+
+
+def plan_batches(
+    sample_ids: Sequence[int],
+    lengths: Sequence[int],
+    token_budget: int,
+    seed: int | None,
+    epoch: int = 0,
+) -> list[list[int]]:
+    """Batches of sample ids; `lengths[i]` is the length of `sample_ids[i]`."""
+    if token_budget < 1:
+        raise DFlashCacheError(f"token budget must be positive, got {token_budget}")
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    if ids.shape != lens.shape:
+        raise ValueError(f"{len(ids)} sample ids but {len(lens)} lengths")
+    if len(ids) == 0:
+        return []
+    if lens.min() < 1:
+        raise DFlashCacheError(f"sample {int(ids[lens.argmin()])} has no tokens")
+    bucket = _bucket_of(lens, length_buckets(int(lens.max())))
+    rng = np.random.default_rng([seed, epoch]) if seed is not None else None
+    batches: list[list[int]] = []
+    for k in np.unique(bucket):
+        members = np.flatnonzero(bucket == k)
+        if rng is None:
+            members = members[np.lexsort((ids[members], lens[members]))]
+        else:
+            members = members[rng.permutation(len(members))]
+        batches += _fill(ids[members].tolist(), lens[members].tolist(), token_budget)
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def _fill(ids: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    batches, batch, tokens = [], [], 0
+    for sample_id, length in zip(ids, lengths):
+        if batch and tokens + length > token_budget:
+            batches.append(batch)
+            batch, tokens = [], 0
+        batch.append(sample_id)
+        tokens += length
+    return batches + [batch]
+
+
+def _bucket_of(lengths: np.ndarray, bounds: list[int]) -> np.ndarray:
+    return np.searchsorted(bounds, lengths, side="right") - 1
+
+
+def shard_for_rank(
+    batches: list[list[int]], rank: int, world_size: int, drop_remainder: bool = True
+) -> list[list[int]]:
+    """This rank's batches: plan positions rank, rank + W, rank + 2W, ...
+
+    With `drop_remainder` (training) every rank gets len(batches) // W batches, so DDP ranks take
+    the same number of steps; the last len(batches) % W batches of the plan are left out of that
+    epoch (a shuffled plan leaves out a different few each epoch). Without it (work that must cover
+    every batch) the first len(batches) % W ranks get one batch more.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    share = batches[rank::world_size]
+    return share[: len(batches) // world_size] if drop_remainder else share
+
+
+def describe_plan(batches: list[list[int]], lengths: Mapping[int, int] | Sequence[int]) -> list[str]:
+    """Summary lines: batch count and sequences per batch, then the batches of each bucket.
+
+    `lengths[sample_id]` is a sample's length; a batch's bucket is that of its longest sample.
+    """
+    if not batches:
+        return ["Batches per epoch: 0"]
+    sizes = np.array([len(b) for b in batches])
+    longest = np.array([max(lengths[i] for i in b) for b in batches])
+    bounds = length_buckets(int(longest.max()))
+    lines = [f"Batches per epoch: {len(batches)} (min={sizes.min()} max={sizes.max()} avg={sizes.mean():.1f})"]
+    bucket = _bucket_of(longest, bounds)
+    for k, count in zip(*np.unique(bucket, return_counts=True)):
+        share = 100.0 * count / len(batches)
+        lines.append(f"Bucket {k} [{bounds[k]},{bounds[k + 1]}): {count} batches ({share:.1f}%)")
+    return lines

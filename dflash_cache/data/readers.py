@@ -1,0 +1,273 @@
+"""Read training records from `--data` files.
+
+Accepted inputs, told apart by their first bytes (not their names):
+- Parquet (`PAR1`) and Arrow IPC, file (`ARROW1`) or stream form: pre-tokenized rows with an
+  `input_ids` column (list of integers) and an optional `loss_mask` column (list of 0/1 or bool).
+- Anything else is read as JSONL, one JSON object per line, each being one of
+  `{"messages": [{"role", "content"}...]}`, ShareGPT `{"conversations": [{"from", "value"}...]}`
+  or pre-tokenized `{"input_ids": [...], "loss_mask": [...]}` (loss_mask optional).
+  Blank lines are skipped and are not records.
+
+A pre-tokenized record without a loss mask trains on every token. Records are yielded in file order;
+problems raise DFlashCacheError naming the file and the line (JSONL) or row/column (Arrow, Parquet).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dflash_cache.errors import DFlashCacheError
+
+ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+ARROW_FILE_MAGIC = b"ARROW1"
+ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"
+PARQUET_MAGIC = b"PAR1"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict[str, str]]  # [{"role": user|assistant|system|tool, "content": str}]
+    where: str  # "file:line", for error messages
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    input_ids: np.ndarray  # [T] int64
+    loss_mask: np.ndarray | None  # [T] bool, None: every token counts
+    where: str  # "file:line" or "file row N"
+
+
+Record = Conversation | TokenRecord
+
+
+def read_records(path: str | Path) -> Iterator[Record]:
+    """Yield every record of one data file, in order; an empty file is an error."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise DFlashCacheError(f"cannot read data file {path}: {e.strerror or e}") from None
+    if not head:
+        raise DFlashCacheError(f"data file {path} is empty")
+    if head.startswith(PARQUET_MAGIC):
+        records = _read_parquet(path)
+    elif head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MAGIC):
+        records = _read_arrow(path)
+    else:
+        records = _read_jsonl(path)
+    count = 0
+    for record in records:
+        count += 1
+        yield record
+    if count == 0:
+        raise DFlashCacheError(f"data file {path} has no records")
+
+
+def _show(value: object, limit: int = 40) -> str:
+    """A user value quoted on one line and cut short, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- JSONL ----------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DFlashCacheError(f"{where}: not valid UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DFlashCacheError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DFlashCacheError(f"{where}: JSON nested too deeply") from None
+            yield _parse_object(obj, where)
+
+
+def _parse_object(obj: object, where: str) -> Record:
+    if not isinstance(obj, dict):
+        hint = " (a JSON array file? write one object per line)" if isinstance(obj, list) else ""
+        raise DFlashCacheError(f"{where}: expected a JSON object, found {type(obj).__name__}{hint}")
+    forms = [key for key in ("messages", "conversations", "input_ids") if key in obj]
+    if len(forms) != 1:
+        found = "none" if not forms else " and ".join(forms)
+        raise DFlashCacheError(
+            f"{where}: a record needs exactly one of 'messages', 'conversations' or 'input_ids' (found {found})"
+        )
+    if forms[0] == "input_ids":
+        ids = _int_list(obj["input_ids"], "input_ids", where)
+        mask = obj.get("loss_mask")
+        if mask is not None:
+            mask = _mask_list(mask, len(ids), where)
+        return TokenRecord(ids, mask, where)
+    role_key, content_key = ("role", "content") if forms[0] == "messages" else ("from", "value")
+    return Conversation(_parse_turns(obj[forms[0]], forms[0], role_key, content_key, where), where)
+
+
+def _parse_turns(turns: object, field: str, role_key: str, content_key: str, where: str) -> list[dict[str, str]]:
+    if not isinstance(turns, list) or not turns:
+        raise DFlashCacheError(f"{where}: '{field}' must be a non-empty list of turns")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DFlashCacheError(f"{where}: {field}[{i}] must be an object, found {type(turn).__name__}")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if not isinstance(role, str) or role not in ROLES:
+            known = ", ".join(sorted(ROLES))
+            raise DFlashCacheError(f"{where}: {field}[{i}] has unknown role {_show(role)} (known: {known})")
+        if not isinstance(content, str):
+            raise DFlashCacheError(f"{where}: {field}[{i}].{content_key} must be a string, found {_show(content)}")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DFlashCacheError(f"{where}: {field}[{i}].{content_key} is not valid Unicode") from None
+        messages.append({"role": ROLES[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DFlashCacheError(f"{where}: the conversation has no assistant turn, so nothing to train on")
+    return messages
+
+
+def _int_list(value: object, field: str, where: str) -> np.ndarray:
+    if not isinstance(value, list) or not value:
+        raise DFlashCacheError(f"{where}: '{field}' must be a non-empty list of integers")
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise DFlashCacheError(f"{where}: '{field}' holds {_show(v)}, not an integer")
+    try:
+        return np.array(value, dtype=np.int64)
+    except OverflowError:
+        raise DFlashCacheError(f"{where}: '{field}' holds an integer too large for a token id") from None
+
+
+def _mask_list(value: object, length: int, where: str) -> np.ndarray:
+    if not isinstance(value, list) or any(v not in (0, 1) or isinstance(v, float) for v in value):
+        raise DFlashCacheError(f"{where}: 'loss_mask' must be a list of 0/1 or true/false")
+    if len(value) != length:
+        raise DFlashCacheError(f"{where}: 'loss_mask' has {len(value)} entries but 'input_ids' has {length}")
+    return np.array(value, dtype=bool)
+
+
+# ---- Parquet and Arrow ------------------------------------------------------------------------------
+
+
+def _read_parquet(path: Path) -> Iterator[Record]:
+    try:
+        file = pq.ParquetFile(path)
+        schema = file.schema_arrow
+    except (pa.ArrowException, OSError) as e:
+        raise DFlashCacheError(f"{path}: not a readable Parquet file ({_first_line(e)})") from None
+    columns = _check_schema(schema, path)
+    yield from _read_batches(_guard(file.iter_batches(columns=columns), path), path)
+
+
+def _read_arrow(path: Path) -> Iterator[Record]:
+    try:
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path)))
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+            batches = iter(reader)
+        schema = reader.schema
+    except (pa.ArrowException, OSError) as e:
+        raise DFlashCacheError(f"{path}: not a readable Arrow IPC file ({_first_line(e)})") from None
+    _check_schema(schema, path)
+    yield from _read_batches(_guard(batches, path), path)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordBatch]:
+    """Turn Arrow errors raised part-way through a file (truncation, corruption) into user errors."""
+    try:
+        yield from batches
+    except (pa.ArrowException, OSError) as e:
+        raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({_first_line(e)})") from None
+
+
+def _check_schema(schema: pa.Schema, path: Path) -> list[str]:
+    """The columns to read; a missing or mistyped column is an error naming it."""
+    if "input_ids" not in schema.names:
+        raise DFlashCacheError(
+            f"{path}: no 'input_ids' column (columns: {', '.join(schema.names) or 'none'}); "
+            "Parquet/Arrow input must be pre-tokenized, conversations go in JSONL"
+        )
+    columns = ["input_ids"] + (["loss_mask"] if "loss_mask" in schema.names else [])
+    for name in columns:
+        kind = schema.field(name).type
+        value_ok = pa.types.is_integer if name == "input_ids" else _is_int_or_bool
+        if not (_is_list(kind) and value_ok(kind.value_type)):
+            wanted = "integers" if name == "input_ids" else "integers or booleans"
+            raise DFlashCacheError(f"{path}: column '{name}' must be a list of {wanted}, found {kind}")
+    return columns
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _is_int_or_bool(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_boolean(kind)
+
+
+def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[TokenRecord]:
+    row = 0
+    for batch in batches:
+        ids = _split_lists(batch.column("input_ids"), "input_ids", path, row)
+        masks = [None] * len(ids)
+        if "loss_mask" in batch.schema.names:
+            masks = _split_lists(batch.column("loss_mask"), "loss_mask", path, row)
+        for i, (row_ids, row_mask) in enumerate(zip(ids, masks)):
+            where = f"{path} row {row + i}"
+            if len(row_ids) == 0:
+                raise DFlashCacheError(f"{where}: 'input_ids' is empty")
+            if row_mask is not None:
+                if len(row_mask) != len(row_ids):
+                    raise DFlashCacheError(
+                        f"{where}: 'loss_mask' has {len(row_mask)} entries but 'input_ids' has {len(row_ids)}"
+                    )
+                if row_mask.dtype != bool and not np.isin(row_mask, (0, 1)).all():
+                    raise DFlashCacheError(f"{where}: 'loss_mask' holds values other than 0 and 1")
+                row_mask = row_mask.astype(bool)
+            yield TokenRecord(row_ids.astype(np.int64), row_mask, where)
+        row += batch.num_rows
+
+
+def _split_lists(column: pa.Array, name: str, path: Path, first_row: int) -> list[np.ndarray]:
+    """One numpy array per row of a list column; nulls are errors naming the row."""
+    if column.null_count:
+        row = first_row + column.is_null().to_numpy(zero_copy_only=False).argmax()
+        raise DFlashCacheError(f"{path} row {row}: '{name}' is null")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    values = column.flatten()
+    if values.null_count:
+        owner = np.searchsorted(np.cumsum(lengths), values.is_null().to_numpy(zero_copy_only=False).argmax(), "right")
+        raise DFlashCacheError(f"{path} row {first_row + owner}: '{name}' holds a null value")
+    return np.split(values.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])

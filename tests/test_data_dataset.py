@@ -1,0 +1,101 @@
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_cache.data.dataset import load_samples
+from dflash_cache.data.tokenize import tokenize_conversation
+from dflash_cache.errors import DFlashCacheError
+from tests.tiny import build_tokenizer
+
+
+@pytest.fixture
+def files(tmp_path, conversations):
+    """Three files of different forms: 12 conversations, 2 ShareGPT records, 3 pre-tokenized rows."""
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    sharegpt.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"}]}) + "\n"
+        + json.dumps({"conversations": [{"from": "system", "value": "be brief"}, {"from": "user", "value": "q"},
+                                        {"from": "assistant", "value": "the answer"}]}) + "\n"
+    )
+    tokens = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], list(range(10, 60)), [7]],
+                             "loss_mask": [[0, 1, 1], [1] * 50, [1]]}), tokens)
+    return [conversations, sharegpt, tokens]
+
+
+def test_load_all_forms_with_stable_ids(files, tokenizer):
+    data = load_samples(files, tokenizer, max_length=4096)
+    assert [s.sample_id for s in data.samples] == list(range(17))
+    assert data.num_truncated == 0
+    first_conversation = json.loads(open(files[0]).readline())["messages"]
+    ids, mask = tokenize_conversation(tokenizer, first_conversation)
+    assert data.samples[0].input_ids.tolist() == ids and data.samples[0].loss_mask.tolist() == [bool(m) for m in mask]
+    sharegpt = data.samples[12]
+    assert tokenizer.decode(sharegpt.input_ids[sharegpt.loss_mask]) == "hi there<|im_end|>"
+    assert data.samples[14].input_ids.tolist() == [1, 2, 3]
+    assert data.samples[14].loss_mask.tolist() == [False, True, True]
+    for s in data.samples:
+        assert s.input_ids.dtype == np.int32 and s.loss_mask.dtype == bool
+        assert len(s.input_ids) == len(s.loss_mask)
+    expected_hash = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+    assert data.source_hash == expected_hash
+    # The same file in a different order: ids follow the order, the hash changes.
+    reordered = load_samples(files[::-1], tokenizer, max_length=4096)
+    assert reordered.samples[0].input_ids.tolist() == [1, 2, 3]
+    assert reordered.source_hash != data.source_hash
+
+
+def test_truncation(files, tokenizer):
+    full = load_samples(files, tokenizer, max_length=4096)
+    lengths = full.lengths()
+    data = load_samples(files, tokenizer, max_length=20)
+    assert data.num_truncated == int((lengths > 20).sum()) > 0
+    for before, after in zip(full.samples, data.samples):
+        n = min(len(before.input_ids), 20)
+        assert after.input_ids.tolist() == before.input_ids[:n].tolist()
+        assert after.loss_mask.tolist() == before.loss_mask[:n].tolist()
+
+
+def test_worker_processes_give_the_same_result(files, tokenizer, monkeypatch):
+    monkeypatch.setattr("dflash_cache.data.dataset.CHUNK_RECORDS", 3)  # several chunks in flight
+    serial = load_samples(files, tokenizer, max_length=64)
+    parallel = load_samples(files, tokenizer, max_length=64, workers=2)
+    assert parallel.num_truncated == serial.num_truncated
+    assert [s.sample_id for s in parallel.samples] == [s.sample_id for s in serial.samples]
+    for a, b in zip(serial.samples, parallel.samples):
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_out_of_vocabulary_ids(tmp_path, tokenizer, workers):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": [1, len(tokenizer)]}) + "\n")
+    with pytest.raises(DFlashCacheError, match=rf"bad.jsonl:2: token id {len(tokenizer)} at position 1 is outside"):
+        load_samples([bad], tokenizer, max_length=64, workers=workers)
+    pq.write_table(pa.table({"input_ids": [[5, -1]]}), tmp_path / "bad.parquet")
+    with pytest.raises(DFlashCacheError, match=r"bad.parquet row 0: token id -1 at position 1 is outside"):
+        load_samples([tmp_path / "bad.parquet"], tokenizer, max_length=64)
+
+
+def test_conversations_need_a_chat_template(files):
+    no_template = build_tokenizer(chat_template=None)
+    with pytest.raises(DFlashCacheError, match=r"conversations.jsonl:1: the tokenizer has no chat template"):
+        load_samples(files, no_template, max_length=64)
+    # pre-tokenized input needs none
+    assert len(load_samples(files[2:], no_template, max_length=64).samples) == 3
+
+
+def test_bad_arguments(tmp_path, files, tokenizer):
+    with pytest.raises(DFlashCacheError, match="no data files given"):
+        load_samples([], tokenizer, max_length=64)
+    with pytest.raises(DFlashCacheError, match=r"data file not found: .*missing.jsonl"):
+        load_samples([files[0], tmp_path / "missing.jsonl"], tokenizer, max_length=64)
+    with pytest.raises(DFlashCacheError, match="max length must be at least 1"):
+        load_samples(files, tokenizer, max_length=0)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DFlashCacheError, match="empty.jsonl is empty"):
+        load_samples([files[0], tmp_path / "empty.jsonl"], tokenizer, max_length=64)
