@@ -31,7 +31,7 @@ def test_load_all_forms_with_stable_ids(files, tokenizer):
     data = load_samples(files, tokenizer, max_length=4096)
     assert [s.sample_id for s in data.samples] == list(range(17))
     assert data.num_truncated == 0
-    first_conversation = json.loads(open(files[0]).readline())["messages"]
+    first_conversation = json.loads(files[0].read_text().splitlines()[0])["messages"]
     ids, mask = tokenize_conversation(tokenizer, first_conversation)
     assert data.samples[0].input_ids.tolist() == ids and data.samples[0].loss_mask.tolist() == [bool(m) for m in mask]
     sharegpt = data.samples[12]

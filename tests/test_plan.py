@@ -1,4 +1,5 @@
 import re
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -45,9 +46,12 @@ def test_batches_are_full(data):
     ids, lengths = data
     length_of = dict(zip(ids, lengths))
     bounds = length_buckets(max(lengths))
-    bucket = lambda i: np.searchsorted(bounds, length_of[i], side="right")  # noqa: E731
+
+    def bucket(sample_id):
+        return np.searchsorted(bounds, length_of[sample_id], side="right")
+
     batches = plan_batches(ids, lengths, BUDGET, None)
-    for b, following in zip(batches, batches[1:]):
+    for b, following in pairwise(batches):
         if bucket(b[-1]) == bucket(following[0]):
             assert batch_tokens(b, length_of) + length_of[following[0]] > BUDGET
 
@@ -112,7 +116,7 @@ def test_length_buckets():
     assert length_buckets(8192)[-3:] == [6144, 8192, 8193]
     assert length_buckets(30) == [1, 31]
     bounds = length_buckets(100_000)
-    assert all(b / a <= 1.5 for a, b in zip(bounds[1:], bounds[2:]))
+    assert all(b / a <= 1.5 for a, b in pairwise(bounds[1:]))
 
 
 def test_describe_plan(data):
@@ -126,7 +130,7 @@ def test_describe_plan(data):
     )
     counted = 0
     for line in lines[1:]:
-        k, lo, hi, count, share = re.fullmatch(r"Bucket (\d+) \[(\d+),(\d+)\): (\d+) batches \(([\d.]+)%\)", line).groups()
+        lo, hi, count, share = re.fullmatch(r"Bucket \d+ \[(\d+),(\d+)\): (\d+) batches \(([\d.]+)%\)", line).groups()
         in_bucket = [b for b in batches if int(lo) <= max(length_of[i] for i in b) < int(hi)]
         assert len(in_bucket) == int(count) and float(share) == round(100 * int(count) / len(batches), 1)
         counted += int(count)

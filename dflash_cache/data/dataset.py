@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

@@ -14,7 +14,7 @@ shuffled inside their bucket and the batch order is shuffled, both from a numpy 
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -15,9 +15,9 @@ problems raise DFlashCacheError naming the file and the line (JSONL) or row/colu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -69,7 +69,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
         raise DFlashCacheError(f"data file {path} is empty")
     if head.startswith(PARQUET_MAGIC):
         records = _read_parquet(path)
-    elif head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MAGIC):
+    elif head.startswith((ARROW_FILE_MAGIC, ARROW_STREAM_MAGIC)):
         records = _read_arrow(path)
     else:
         records = _read_jsonl(path)

@@ -46,16 +46,13 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[li
         encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError:
         raise DFlashCacheError("the tokenizer cannot report token offsets; a fast tokenizer is needed") from None
-    starts = [start for start, _ in encoded["offset_mapping"]]
-    mask = [0] * len(starts)
+    starts = np.array([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.int64)
     for span_start, content_end in spans:
-        t = _first_token_at(starts, span_start)
-        while t < len(starts) and starts[t] < content_end:
-            mask[t] = 1
-            t += 1
-        if t < len(starts):  # the end-of-turn token
-            mask[t] = 1
-    return list(encoded["input_ids"]), mask
+        # tokens whose first character is in the span, then the end-of-turn token after them
+        first, end = np.searchsorted(starts, [span_start, content_end], side="left")
+        mask[first : end + 1] = 1
+    return list(encoded["input_ids"]), mask.tolist()
 
 
 def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
@@ -122,8 +119,3 @@ def _common_suffix(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _first_token_at(starts: list[int], offset: int) -> int:
-    """Index of the first token whose first character is at or after `offset`."""
-    return int(np.searchsorted(starts, offset, side="left"))
