@@ -21,7 +21,7 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--max-length", type=int, default=8192, show_default=True, help="Longer samples are truncated (counted in the summary and manifest).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also store the target's top-K ids and log-probs per position.")
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
-@click.option("--shard-size", type=int, default=512, show_default=True, help="Shard size in MiB.")
+@click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--tokenize-workers", type=int, default=0, help="Processes for tokenizing conversations (0: in the main process).")
 def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, tokenize_workers):
     """Run the target once over the data and write its hidden states to a cache.
@@ -30,12 +30,12 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     """
     if layers is None and num_draft_layers is None:
         num_draft_layers = 5
-    if shard_size < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--shard-size")
+    if shard_size <= 0:
+        raise click.BadParameter("must be positive", param_hint="--shard-size")
     opts = ExtractOptions(
         target=target, data=list(data), out=out, layers=layers, num_draft_layers=num_draft_layers, codec=codec,
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
-        max_shard_bytes=shard_size << 20, tokenize_workers=tokenize_workers,
+        max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers,
     )
     bar = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk

@@ -1,0 +1,143 @@
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_cache import DFlashCacheError, open_cache
+from dflash_cache.data.tokenize import tokenize_conversation
+from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.store.verify import verify_cache
+from tests.tiny import write_conversations
+
+LAYERS = [1, 4]
+
+
+def run_extract(target, data, out, **kw):
+    opts = ExtractOptions(target=target, data=[data], out=out, layers=LAYERS, token_budget=kw.pop("token_budget", 300), **kw)
+    return extract(opts)
+
+
+def test_cache_matches_hf_reference(target_dir, conversations, tmp_path):
+    """Stored hidden states equal HF's hidden states of those layers, target_ids its argmax,
+    loss masks the assistant tokens; for a dense qwen3 and a hybrid qwen3_5 target."""
+    run_extract(target_dir, conversations, tmp_path / "cache", topk=3)
+    cache = open_cache(tmp_path / "cache")
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    import json
+
+    convs = [json.loads(line)["messages"] for line in open(conversations)]
+    assert sorted(cache) == list(range(len(convs)))
+    for sid in sorted(cache):
+        sample = cache[sid]
+        ids, mask = tokenize_conversation(tokenizer, convs[sid])
+        assert sample.input_ids.tolist() == ids and sample.loss_mask.tolist() == [bool(m) for m in mask]
+        with torch.no_grad():
+            out = model(sample.input_ids[None], output_hidden_states=True)
+        ref = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
+        # Batched with padding vs alone: same math, but bf16 kernels may block differently.
+        torch.testing.assert_close(sample.hidden.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert (sample.target_ids == out.logits[0].argmax(-1)).float().mean() >= 0.98
+        ref_top = torch.log_softmax(out.logits[0].float(), -1).topk(3, dim=-1)
+        assert (sample.topk_ids[:, 0] == ref_top.indices[:, 0]).float().mean() >= 0.98
+    masked = tokenizer.decode(cache[0].input_ids[cache[0].loss_mask])
+    assert convs[0][-1]["content"] in masked and "user" not in masked.split(convs[0][-1]["content"])[-1]
+
+
+def test_spec_mismatch_and_bad_input(qwen3_target_dir, conversations, tmp_path):
+    out = tmp_path / "cache"
+    run_extract(qwen3_target_dir, conversations, out)
+    before = (out / "manifest.json").read_bytes()
+    with pytest.raises(DFlashCacheError, match="codec: bf16-zstd -> fp8-zstd"):
+        run_extract(qwen3_target_dir, conversations, out, codec="fp8-zstd")
+    with pytest.raises(DFlashCacheError, match="out of range"):
+        extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=tmp_path / "x", layers=[1, 99]))
+    with pytest.raises(DFlashCacheError, match="unknown codec"):
+        run_extract(qwen3_target_dir, conversations, tmp_path / "y", codec="zip")
+    with pytest.raises(DFlashCacheError, match="does not exist"):
+        run_extract(qwen3_target_dir, tmp_path / "missing.jsonl", tmp_path / "z")
+    with pytest.raises(DFlashCacheError, match="GPU 3 is not visible"):
+        run_extract(qwen3_target_dir, conversations, tmp_path / "w", gpus=[3])
+    with pytest.raises(DFlashCacheError, match="token budget|token-budget"):
+        run_extract(qwen3_target_dir, conversations, tmp_path / "v", token_budget=-5)
+    assert (out / "manifest.json").read_bytes() == before
+
+
+def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_path):
+    from dflash_cache.extract.lock import CacheLock
+
+    out = tmp_path / "cache"
+    holder = CacheLock(out, "main").acquire()
+    try:
+        with pytest.raises(DFlashCacheError, match=f"being written by pid {os.getpid()}"):
+            run_extract(qwen3_target_dir, conversations, out)
+    finally:
+        holder.release()
+
+
+def cli(*args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "dflash_cache_cli.main", *map(str, args)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def extract_args(target, data, out):
+    return ["extract", "--target", target, "--data", data, "--out", out, "--layers", ",".join(map(str, LAYERS)),
+            "--token-budget", 300, "--shard-size", 0.02]
+
+
+def assert_same_cache(a: Path, b: Path):
+    ca, cb = open_cache(a), open_cache(b)
+    assert sorted(ca) == sorted(cb)
+    for sid in ca:
+        x, y = ca[sid], cb[sid]
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        assert torch.equal(x.target_ids, y.target_ids)
+        assert torch.equal(x.hidden.view(torch.int16), y.hidden.view(torch.int16)), sid
+    verify_cache(cb)
+
+
+@pytest.fixture(scope="module")
+def crash_setup(tmp_path_factory):
+    from tests.tiny import build_target
+
+    root = tmp_path_factory.mktemp("crash")
+    target = build_target(root / "target", "qwen3")
+    data = write_conversations(root / "data.jsonl", count=16, seed=3)
+    reference = root / "reference"
+    run_extract(target, data, reference, max_shard_bytes=int(0.02 * (1 << 20)))
+    return target, data, reference
+
+
+@pytest.mark.parametrize("kill_at", ["extract.forward:3", "extract.compress:7", "shard.before_rename:2",
+                                     "shard.before_journal:1", "manifest.write:1"])
+def test_sigkill_then_resume_equals_uninterrupted(crash_setup, tmp_path, kill_at):
+    target, data, reference = crash_setup
+    out = tmp_path / "cache"
+    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": kill_at})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "manifest.json").exists() or kill_at == "manifest.write:1"
+    run_extract(target, data, out, max_shard_bytes=int(0.02 * (1 << 20)))
+    assert_same_cache(reference, out)
+
+
+def test_resume_with_another_process_count(crash_setup, tmp_path):
+    """Killed with one process, finished by two (torchrun-style ranks), equal to one uninterrupted run."""
+    target, data, reference = crash_setup
+    out = tmp_path / "cache"
+    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:3"})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    done_before = sum(1 for p in (out / "shards").iterdir())
+    assert done_before >= 3
+    ranks = [cli(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}) for r in range(2)]
+    for p in ranks:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    assert {p.name.split("-")[0] for p in (out / "shards").iterdir()} == {"r0", "r1"}
+    assert_same_cache(reference, out)
