@@ -1,0 +1,111 @@
+"""Several caches read as one: the union of their samples, and the held-out split.
+
+Inside the stream a sample is named by a *key*: its index in `CacheSet.entries`, which lists
+(cache index, sample id) pairs cache by cache in sample-id order. Keys depend only on the list of
+caches, so the plan built from them is the same on every rank and in every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store import Cache, open_cache
+from dflash_cache.store.shard import StoredRow
+
+# Spec fields that may differ between caches trained on together: where the samples came from.
+FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length"}
+
+
+def differences(a: dict, b: dict, ignore: set[str] = frozenset(), prefix: str = "") -> list[str]:
+    """'field: A -> B' for every leaf of two nested dicts that differs (dotted names in `ignore` skipped)."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        name, x, y = f"{prefix}{key}", a.get(key), b.get(key)
+        if name in ignore:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += differences(x, y, ignore, f"{name}.")
+        elif x != y:
+            out.append(f"{name}: {x} -> {y}")
+    return out
+
+
+def is_held_out(sample_id: int, fraction: float) -> bool:
+    """A stable pseudo-random choice by sample id alone: the same in every run and for every cache."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(str(sample_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+class CacheSet:
+    """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
+
+    def __init__(self, paths: list[str | Path]):
+        if not paths:
+            raise DFlashCacheError("no cache given: pass --cache CACHE")
+        self.caches: list[Cache] = [open_cache(p) for p in paths]
+        first = self.caches[0]
+        for cache in self.caches[1:]:
+            diff = differences(first.spec, cache.spec, FREE_SPEC_FIELDS)
+            if diff:
+                raise DFlashCacheError(
+                    f"caches {first.root} and {cache.root} have different specs ({'; '.join(diff)}); "
+                    "only caches of the same target, layers, codec and tokenizer can be trained on together")
+        self.spec: dict = first.spec
+        self.codec: str = first.codec
+        self.width: int = first.width
+        self.entries: list[tuple[int, int]] = []
+        self.lengths: list[int] = []
+        self._check_disjoint()
+        for c, cache in enumerate(self.caches):
+            lengths = cache.lengths()
+            for sid in sorted(lengths):
+                self.entries.append((c, sid))
+                self.lengths.append(lengths[sid])
+
+    def _check_disjoint(self) -> None:
+        """Caches of one data source must not share sample ids: that would train on a sample twice."""
+        seen: dict[tuple[str, int], Path] = {}
+        for cache in self.caches:
+            source = cache.spec.get("data_hash", "")
+            for sid in cache.lengths():
+                other = seen.setdefault((source, sid), cache.root)
+                if other != cache.root:
+                    raise DFlashCacheError(
+                        f"sample {sid} is in both {other} and {cache.root} (same data source); give each cache once")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def head_dir(self) -> Path:
+        """The `target/` folder with head.safetensors (the same target for every cache of the set)."""
+        return self.caches[0].root / "target"
+
+    def sample_id(self, key: int) -> int:
+        return self.entries[key][1]
+
+    def describe(self, key: int) -> str:
+        c, sid = self.entries[key]
+        return f"sample {sid}" if len(self.caches) == 1 else f"sample {sid} of {self.caches[c].root}"
+
+    def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
+        """(train keys, held-out keys), chosen by sample id."""
+        train, held_out = [], []
+        for key, (_, sid) in enumerate(self.entries):
+            (held_out if is_held_out(sid, eval_fraction) else train).append(key)
+        return train, held_out
+
+    def read(self, key: int) -> StoredRow:
+        c, sid = self.entries[key]
+        return self.caches[c].read_stored(sid)
+
+    def decode_planes(self, key: int, row: StoredRow):
+        return self.caches[self.entries[key][0]].decode_planes(row)
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()

@@ -1,0 +1,200 @@
+"""The prefetching loader: cache rows -> packed `FeatureBatch` on the training device.
+
+Two stages, both ahead of the step that consumes the batch:
+
+1. Host (a thread pool): each row of a batch is read, checksum-verified and zstd-decompressed by one
+   task, which copies its planes straight into its slice of the batch's host buffers (pinned when
+   the device is a GPU). Offsets come from the manifest lengths, so rows fill in parallel and no
+   copy happens after. At most `prefetch` batches are in this stage, which bounds host memory.
+2. Device (the main thread): the encoded buffers are copied to the GPU on a side stream and decoded
+   there (byte-plane merge or fp8 scaling); the consuming stream waits on an event. The next batch
+   is sent while the current one trains. On the CPU the same code runs without pinning or streams.
+
+Batches are packed, never padded, and no buffer is cached per shape.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.codecs import decode
+from dflash_cache.stream.caches import CacheSet
+
+# (planes, bytes per value in each plane) of each codec's encoded layout; see store/codecs.py.
+PLANE_LAYOUT = {"bf16": (1, 2), "bf16-zstd": (2, 1), "fp8-zstd": (1, 1)}
+
+
+class ReaderError(RuntimeError):
+    """An unexpected failure while reading a row, raised in the training loop."""
+
+
+@dataclass
+class HostBatch:
+    """A batch with its hidden states still encoded, packed token after token."""
+
+    keys: list[int]
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # int64 [N]
+    loss_mask: torch.Tensor  # bool [N]
+    target_ids: torch.Tensor  # int64 [N]
+    planes: torch.Tensor  # uint8 [P, N * width * bytes]: plane p of every sample, in order
+    scales: torch.Tensor | None  # fp32 [N, L] for fp8-zstd
+    cu_seqlens: torch.Tensor  # int32 [S+1]
+
+
+def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBatch:
+    lengths = [caches.lengths[k] for k in keys]
+    n = sum(lengths)
+    num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
+    new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)  # noqa: E731
+    cu = torch.zeros(len(keys) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    layers = len(caches.spec["layer_ids"])
+    return HostBatch(
+        keys=list(keys),
+        sample_ids=[caches.sample_id(k) for k in keys],
+        input_ids=new(n, dtype=torch.int64),
+        loss_mask=new(n, dtype=torch.bool),
+        target_ids=new(n, dtype=torch.int64),
+        planes=new(num_planes, n * caches.width * value_bytes, dtype=torch.uint8),
+        scales=new(n, layers, dtype=torch.float32) if caches.codec == "fp8-zstd" else None,
+        cu_seqlens=cu,
+    )
+
+
+def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
+    """Read, verify and decompress row `index` of the batch into its slice of the host buffers."""
+    key = batch.keys[index]
+    try:
+        row = caches.read(key)
+        start, end = int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1])
+        if len(row.input_ids) != end - start:
+            raise DFlashCacheError(f"row holds {len(row.input_ids)} tokens, the manifest says {end - start}")
+        planes, scales = caches.decode_planes(key, row)
+    except DFlashCacheError as e:
+        raise DFlashCacheError(f"reading {caches.describe(key)}: {e}") from None
+    except Exception as e:
+        raise ReaderError(f"reader thread failed on {caches.describe(key)}: {type(e).__name__}: {e}") from e
+    batch.input_ids[start:end].numpy()[:] = row.input_ids
+    batch.loss_mask[start:end].numpy()[:] = row.loss_mask
+    batch.target_ids[start:end].numpy()[:] = row.target_ids
+    per_token = batch.planes.shape[1] // batch.input_ids.shape[0]
+    dest = batch.planes.numpy()[:, start * per_token : end * per_token]
+    np.copyto(dest, planes.reshape(dest.shape[0], -1))
+    if batch.scales is not None:
+        batch.scales[start:end] = scales
+
+
+def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> FeatureBatch:
+    """Copy (non-blocking from pinned memory) and decode on the current stream of `device`."""
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    n = host.input_ids.shape[0]
+    scales = None if host.scales is None else move(host.scales)
+    return FeatureBatch(
+        sample_ids=host.sample_ids,
+        input_ids=move(host.input_ids),
+        loss_mask=move(host.loss_mask),
+        target_ids=move(host.target_ids),
+        hidden=decode(move(host.planes).reshape(-1), scales, codec, n, width),
+        cu_seqlens=move(host.cu_seqlens),
+    )
+
+
+class Loader:
+    """Iterates the FeatureBatches of `batches` (lists of keys) in order, reading ahead.
+
+    An error in a reader thread is raised by the next `__next__` that sees it (it waits on every
+    pending row, not only the head batch's). Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, caches: CacheSet, batches: Sequence[Sequence[int]], device: torch.device | str,
+                 prefetch: int = 4, workers: int = 8):
+        if prefetch < 1 or workers < 1:
+            raise DFlashCacheError(f"--prefetch and --workers must be at least 1 (got {prefetch}, {workers})")
+        self.caches = caches
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.prefetch = prefetch
+        self._todo = deque(batches)
+        self._host: deque[tuple[HostBatch, list[cf.Future]]] = deque()
+        self._staged: tuple[FeatureBatch, torch.cuda.Event | None] | None = None
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="dflash-reader")
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._todo and len(self._host) < self.prefetch:
+            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda)
+            futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in range(len(batch.keys))]
+            self._host.append((batch, futures))
+
+    def _head_ready(self, block: bool) -> bool:
+        """Whether the oldest host batch is complete; raises the first error of any pending row."""
+        if not self._host:
+            return False
+        while True:
+            pending = []
+            for _, futures in self._host:
+                for f in futures:
+                    if not f.done():
+                        pending.append(f)
+                    elif f.exception() is not None:
+                        raise f.exception()
+            if all(f.done() for f in self._host[0][1]):
+                return True
+            if not block:
+                return False
+            cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+
+    def _stage(self) -> None:
+        """Send the oldest host batch to the device (on the side stream when there is one)."""
+        host, _ = self._host.popleft()
+        self._fill()
+        if not self.cuda:
+            self._staged = (to_device(host, self.caches.codec, self.caches.width, self.device), None)
+            return
+        with torch.cuda.stream(self._side):
+            batch = to_device(host, self.caches.codec, self.caches.width, self.device)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        self._staged = (batch, done)
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        return self
+
+    def __next__(self) -> FeatureBatch:
+        if self._staged is None:
+            if not self._host:
+                raise StopIteration
+            self._head_ready(block=True)
+            self._stage()
+        batch, done = self._staged
+        self._staged = None
+        if done is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(done)
+            for t in (batch.input_ids, batch.loss_mask, batch.target_ids, batch.hidden, batch.cu_seqlens):
+                t.record_stream(consumer)  # allocated on the side stream, used on this one
+        if self.cuda and self._head_ready(block=False):
+            self._stage()  # the copy of the next batch overlaps this batch's step
+        return batch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a row being read finishes on its own
+        self._host.clear()
+        self._todo.clear()
+        self._staged = None
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
