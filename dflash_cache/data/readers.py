@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 
 ROLES = {
     "user": "user",
@@ -180,7 +180,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         file = pq.ParquetFile(path)
         schema = file.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise DFlashCacheError(f"{path}: not a readable Parquet file ({_first_line(e)})") from None
+        raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
     yield from _read_batches(_guard(file.iter_batches(columns=columns), path), path)
 
@@ -195,13 +195,9 @@ def _read_arrow(path: Path) -> Iterator[Record]:
             batches = iter(reader)
         schema = reader.schema
     except (pa.ArrowException, OSError) as e:
-        raise DFlashCacheError(f"{path}: not a readable Arrow IPC file ({_first_line(e)})") from None
+        raise DFlashCacheError(f"{path}: not a readable Arrow IPC file ({first_line(e)})") from None
     _check_schema(schema, path)
     yield from _read_batches(_guard(batches, path), path)
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordBatch]:
@@ -209,7 +205,7 @@ def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordB
     try:
         yield from batches
     except (pa.ArrowException, OSError) as e:
-        raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({_first_line(e)})") from None
+        raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({first_line(e)})") from None
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> list[str]:

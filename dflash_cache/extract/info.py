@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 
 SUPPORTED = (
     "dense decoders whose layers are `model.model.layers` (Qwen3, Llama and alike) "
@@ -28,14 +30,20 @@ class TargetInfo:
     config_hash: str
 
 
-def first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def config_hash(config_file: Path) -> str:
+    """sha256 of config.json with sorted keys and no whitespace.
+
+    `transformers_version` is left out: re-saving the same model with a newer library must not
+    look like a different target.
+    """
+    config = json.loads(config_file.read_text())
+    config.pop("transformers_version", None)
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def read_target_info(path: str | Path) -> TargetInfo:
     """Check a target directory and read its shape from config.json alone."""
-    from dflash_cache.extract.target import config_hash
-
     path = Path(path)
     if not path.is_dir():
         raise DFlashCacheError(f"target {path} does not exist or is not a directory")

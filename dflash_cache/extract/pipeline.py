@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from dflash_cache.data.dataset import load_samples
 from dflash_cache.data.plan import plan_batches, shard_for_rank

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -19,13 +15,8 @@ from transformers import (
 )
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.extract.info import SUPPORTED, read_target_info
 
-SUPPORTED = (
-    "dense decoders whose layers are `model.model.layers` (Qwen3, Llama and alike) "
-    "and hybrid qwen3_5 text or multimodal checkpoints"
-)
-# Any one of these is enough for AutoTokenizer to build a tokenizer from a local directory.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass
@@ -49,33 +40,9 @@ class Target:
         return self.model.model.layers
 
 
-def config_hash(config_file: Path) -> str:
-    """sha256 of config.json with sorted keys and no whitespace.
-
-    `transformers_version` is left out: re-saving the same model with a newer library must not
-    look like a different target.
-    """
-    config = json.loads(config_file.read_text())
-    config.pop("transformers_version", None)
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16) -> Target:
-    path = Path(path)
-    if not path.is_dir():
-        raise DFlashCacheError(f"target {path} does not exist or is not a directory")
-    if not (path / "config.json").is_file():
-        raise DFlashCacheError(f"target {path} has no config.json; pass a Hugging Face model directory")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise DFlashCacheError(f"target {path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
-    try:
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise DFlashCacheError(f"target {path}: cannot read config.json ({_first_line(e)}); supported: {SUPPORTED}")
-    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        kind = getattr(hf_config, "model_type", "?")
-        raise DFlashCacheError(f"target {path}: model type '{kind}' is not a causal LM; supported: {SUPPORTED}")
+    info = read_target_info(path)
+    path = info.path
     # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
@@ -96,7 +63,7 @@ def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype
         num_layers=len(layers),
         hidden_size=model.config.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
-        config_hash=config_hash(path / "config.json"),
+        config_hash=info.config_hash,
     )
 
 
@@ -127,7 +94,3 @@ def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_draft_layer
         )
     start, span = 1, num_layers - 4
     return [round(start + i * span / (n - 1)) for i in range(n)]
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
