@@ -1,0 +1,28 @@
+"""`inspect`: what a cache holds, in lines a person reads."""
+
+from __future__ import annotations
+
+from dflash_cache.data.plan import describe_plan, plan_batches
+from dflash_cache.store.cache import Cache
+
+
+def describe_cache(cache: Cache, token_budget: int) -> list[str]:
+    spec, totals = cache.spec, cache.manifest["totals"]
+    target = spec["target"]
+    tokens = max(totals["tokens"], 1)
+    lines = [
+        f"cache:        {cache.root}",
+        f"target:       {target['name']} ({target['model_type']}, {target['num_layers']} layers, hidden {target['hidden_size']}, vocab {target['vocab_size']})",
+        f"layers:       {spec['layer_ids']}",
+        f"codec:        {spec['codec']}" + (f", top-{spec['topk']} labels" if spec.get("topk") else ""),
+        f"samples:      {totals['samples']:,} ({len(cache.manifest['skipped'])} skipped, {cache.manifest.get('extract', {}).get('truncated', 0)} truncated at {spec['max_length']} tokens)",
+        f"tokens:       {totals['tokens']:,}",
+        f"shards:       {len(cache.shards)}, {totals['bytes'] / 1e9:.3f} GB",
+        f"bytes/token:  {totals['bytes'] / tokens:,.0f} (hidden states {totals['hidden_bytes'] / tokens:,.0f}, raw bf16 {totals['raw_hidden_bytes'] / tokens:,.0f})",
+        f"compression:  {totals['hidden_bytes'] / max(totals['raw_hidden_bytes'], 1):.3f} of raw bf16",
+        f"plan at a token budget of {token_budget:,}:",
+    ]
+    lengths = cache.lengths()
+    ids = sorted(lengths)
+    batches = plan_batches(ids, [lengths[i] for i in ids], token_budget, seed=None)
+    return lines + ["  " + line for line in describe_plan(batches, lengths)]
