@@ -45,7 +45,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         if not samples:
             return
         click.echo(f"to extract: {samples} samples, {tokens} tokens", err=True)
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+        bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True, disable=None)
 
     def on_progress(p) -> None:
         written[0] += p.bytes

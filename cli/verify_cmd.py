@@ -14,6 +14,6 @@ def command(cache: str) -> None:
     """
     opened = open_cache(cache)
     total = sum(s.bytes for s in opened.shards)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False, disable=None) as bar:
         report = verify_cache(opened, progress=bar.update)
     click.echo(f"ok: {report.shards} shards, {report.rows} samples, {report.tokens} tokens, {report.bytes / 1e6:.1f} MB verified")

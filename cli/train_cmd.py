@@ -1,0 +1,69 @@
+import click
+
+from dflash_cache.train.config import TrainConfig
+from dflash_cache.train.train import train
+from dflash_cache_cli.options import INT_LIST
+
+
+@click.command("train")
+@click.option("--cache", "caches", required=True, multiple=True, type=click.Path(),
+              help="Cache directory written by `extract`. Repeat to train on the union of several caches "
+                   "(same target, layers, codec and tokenizer).")
+@click.option("--out", required=True, type=click.Path(),
+              help="Run directory: metrics.jsonl, TensorBoard files in tb/, checkpoints/step-N/. Must be new or "
+                   "empty, unless --resume.")
+@click.option("--drafter", default="qwen3.6-27b", show_default=True,
+              help="Drafter preset (qwen3-8b, qwen3.6-27b; adapted to the cache's target) or a JSON config file.")
+@click.option("--gpus", type=INT_LIST,
+              help="GPUs to train on, one DDP process each, e.g. 5-7. Default: every visible GPU; the CPU when "
+                   "there is none. Under torchrun, the GPU of each local rank.")
+@click.option("--epochs", type=int, help="Passes over the training samples. Default: 1 (unless --steps).")
+@click.option("--steps", type=int, help="Optimizer steps to run instead of whole epochs.")
+@click.option("--token-budget", type=int, default=49152, show_default=True,
+              help="Tokens per batch on each GPU (packed, no padding in eager mode).")
+@click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak AdamW learning rate.")
+@click.option("--warmup", type=int, help="Linear warmup steps before the cosine decay. Default: 4%% of the run.")
+@click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="The cosine ends at lr times this.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay (matrices only).")
+@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Clip the gradient norm to this.")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="Batches per GPU per optimizer step; the global batch is GPUs x this x --token-budget.")
+@click.option("--max-anchors", type=int, default=512, show_default=True, help="Most training blocks per sequence.")
+@click.option("--gamma", type=float, default=7.0, show_default=True,
+              help="Loss weight of block slot k is exp(-(k-1)/gamma).")
+@click.option("--labels", type=click.Choice(["target", "tokens"]), default="target", show_default=True,
+              help="Train on the target's own next-token predictions, or on the data's tokens.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Run the drafter under torch.compile, batches padded to a fixed size (one graph).")
+@click.option("--eval-fraction", type=float, default=0.01, show_default=True,
+              help="Share of samples held out for evaluation, chosen by a hash of the sample id.")
+@click.option("--eval-every", type=int, default=500, show_default=True, help="Evaluate every N steps (and at the end).")
+@click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps (and at the end).")
+@click.option("--log-every", type=int, default=1, show_default=True,
+              help="Print a progress line every N steps (metrics.jsonl gets every step).")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its newest complete checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the batch plan, anchors and initial weights.")
+@click.option("--prefetch", type=int, default=4, show_default=True, help="Batches read and decompressed ahead, per GPU.")
+@click.option("--workers", type=int, default=8, show_default=True, help="Reader threads per GPU.")
+@click.option("--skip-nonfinite", is_flag=True,
+              help="Skip a step whose loss is NaN/Inf (counted in the metrics) instead of stopping.")
+@click.option("--collective-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a rank may wait in a collective before the run is stopped as hung.")
+def command(caches, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
+            grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, log_every, resume,
+            seed, prefetch, workers, skip_nonfinite, collective_timeout):
+    """Train a DFlash drafter from one or more caches, with no target model loaded.
+
+    Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
+    checkpoint into the reference layout. Weights are fp32 and the step runs under bf16 autocast.
+    """
+    config = TrainConfig(
+        caches=list(caches), out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
+        token_budget=token_budget, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
+        grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, gamma=gamma, labels=labels,
+        compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
+        log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
+        skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout,
+    )
+    train(config, echo=click.echo)
+    click.echo(f"done: {out}")
