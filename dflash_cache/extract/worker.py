@@ -28,7 +28,7 @@ from dflash_cache.extract.checks import check_sample
 from dflash_cache.extract.head import save_target_files
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, run_with_split
-from dflash_cache.extract.target import load_target
+from dflash_cache.extract.target import Target, load_target
 from dflash_cache.store.codecs import compress, encode
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
@@ -185,8 +185,9 @@ class _Writer(threading.Thread):
         self.writer.commit()
 
 
-def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None) -> RankSummary:
-    target = load_target(job.target_path, job.device)
+def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, target: Target | None = None) -> RankSummary:
+    """Extract this rank's batches; `target` may be given already loaded (benchmarks build one in place)."""
+    target = target or load_target(job.target_path, job.device)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
     if job.write_target_files:

@@ -1,0 +1,139 @@
+"""Extraction throughput against the bare forward of the same target on the same batches.
+
+    python benchmarks/extract.py [--shape qwen3-8b|qwen3.6-27b-cut] [--layers-cut N] [--tokens 400000]
+                                 [--batch-tokens 16384] [--codec bf16-zstd] [--out DIR]
+
+A random-weight target is built on the GPU from a config (no weights on disk): Qwen3-8B shape
+(36 layers, hidden 4096) or a Qwen3.6-27B-shaped hybrid qwen3_5 text model cut to fewer layers.
+Samples have random token ids and log-uniform lengths from 256 to 4096. Both runs use the batches
+the extraction plan makes at --batch-tokens:
+  bare:    model(input_ids) with logits, nothing kept (what the target costs by itself)
+  extract: the real per-rank extraction loop (hooks on 5 layers, chunked LM-head argmax, encode on
+           the GPU, pinned copies, compression threads, shard writer with fsync) into --out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5TextConfig
+
+from dflash_cache.data.dataset import Sample
+from dflash_cache.data.plan import plan_batches
+from dflash_cache.extract.info import config_hash
+from dflash_cache.extract.target import Target, resolve_layer_ids
+from dflash_cache.extract.worker import RankJob, _padded, run_rank
+
+VOCAB = 151936
+
+
+def target_config(shape: str, layers_cut: int | None):
+    if shape == "tiny":  # a smoke test of this script on the CPU
+        return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    if shape == "qwen3-8b":
+        return Qwen3Config(vocab_size=VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                           rope_theta=1e6, tie_word_embeddings=False)
+    layers = layers_cut or 64
+    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
+                             num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                             linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                             tie_word_embeddings=False)
+
+
+def make_samples(total_tokens: int, vocab: int, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    samples, tokens = [], 0
+    while tokens < total_tokens:
+        n = int(np.exp(rng.uniform(np.log(256), np.log(4096))))
+        ids = rng.integers(0, vocab, n).astype(np.int32)
+        samples.append(Sample(len(samples), ids, np.ones(n, dtype=bool)))
+        tokens += n
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b-cut", "tiny"], default="qwen3-8b")
+    parser.add_argument("--layers-cut", type=int, default=None, help="layers of the cut 27B shape (a multiple of 4)")
+    parser.add_argument("--tokens", type=int, default=400_000)
+    parser.add_argument("--batch-tokens", type=int, default=16384)
+    parser.add_argument("--codec", default="bf16-zstd")
+    parser.add_argument("--out", type=Path, default=None, help="cache directory (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = args.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    config = target_config(args.shape, args.layers_cut)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval().requires_grad_(False)
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    config.save_pretrained(work / "target")
+    target = Target(path=work / "target", model=model, tokenizer=None, config=config, num_layers=config.num_hidden_layers,
+                    hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash=config_hash(work / "target" / "config.json"))
+    layer_ids = resolve_layer_ids(config.num_hidden_layers, None, 5)
+    samples = make_samples(args.tokens, config.vocab_size)
+    by_id = {s.sample_id: s for s in samples}
+    batches = plan_batches([s.sample_id for s in samples], [len(s.input_ids) for s in samples], args.batch_tokens, seed=None)
+    tokens = sum(len(s.input_ids) for s in samples)
+    padded = sum(len(b) * max(len(by_id[i].input_ids) for i in b) for b in batches)
+    print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), random weights, bf16, sdpa")
+    print(f"data: {len(samples)} samples, {tokens} tokens ({padded / tokens:.3f}x with padding), {len(batches)} batches of <= {args.batch_tokens} tokens; layers {layer_ids}; codec {args.codec}")
+
+    def bare() -> float:
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for batch in batches:
+                input_ids, _ = _padded([by_id[i] for i in batch], device)
+                model(input_ids=input_ids, use_cache=False)
+        sync()
+        return time.perf_counter() - start
+
+    def extract() -> tuple[float, dict]:
+        out = args.out or work / "cache"
+        shutil.rmtree(out, ignore_errors=True)
+        spec = {"target": {"name": args.shape, "model_type": config.model_type, "config_hash": target.config_hash,
+                           "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
+                "layer_ids": layer_ids, "codec": args.codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
+                "max_length": 8192, "topk": 0}
+        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, batches=batches, samples=by_id,
+                      done=set(), first_shard_index=0, compress_threads=12)
+        sync()
+        start = time.perf_counter()
+        summary = run_rank(job, target=target)
+        wall = time.perf_counter() - start
+        return wall, {"bytes": summary.bytes, "wait_s": summary.wait_s}
+
+    bare()  # warm-up: kernels, allocator
+    t_bare = bare()
+    t_extract, info = extract()
+    t_bare2 = bare()
+    t_bare = min(t_bare, t_bare2)
+    result = {
+        "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
+        "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
+        "ratio": t_bare / t_extract, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
+        "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
+    }
+    print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s")
+    print(f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
+          f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
