@@ -1,0 +1,51 @@
+"""`TargetHead`: the frozen target pieces a drafter shares (embeddings, final norm, LM head).
+
+Plain tensors, not an `nn.Module`: they are never trained, never saved with the drafter, and DDP
+neither broadcasts nor synchronises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_cache.errors import DFlashCacheError
+
+HEAD_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+
+
+@dataclass
+class TargetHead:
+    embed_tokens: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H] the target's final norm weight (the drafter applies its own norm)
+    lm_head: torch.Tensor  # [V, H]
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "TargetHead":
+        """Read `head.safetensors` (as the extract stage writes it into `CACHE/target/`)."""
+        path = Path(path)
+        if not path.is_file():
+            raise DFlashCacheError(f"target head file {path} not found; it is written by `dflash-cache extract`.")
+        tensors = load_file(path, device=str(device))
+        if missing := [k for k in HEAD_KEYS if k not in tensors]:
+            raise DFlashCacheError(f"{path} lacks {missing}; re-run extract to rewrite the target head.")
+        head = cls(*(tensors[k] for k in HEAD_KEYS))
+        return head.apply(lambda t: t.to(dtype)) if dtype is not None else head
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm_head.shape[1])
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TargetHead":
+        return TargetHead(fn(self.embed_tokens), fn(self.norm), fn(self.lm_head))
+
+    def to(self, *args, **kwargs) -> "TargetHead":
+        return self.apply(lambda t: t.to(*args, **kwargs))

@@ -1,0 +1,176 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers that draft a block of tokens at once.
+
+Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a state dict exports as is.
+
+    context = hidden_norm(fc(target hidden states of the chosen layers))        [N, H]
+    block   = target embeddings of [token at anchor, mask, mask, ...]            [A*B, H]
+    each layer: queries from the block; keys/values from the context (through the layer's own
+                k/v projections) followed by the block's own; then the MLP
+    states  = norm(block) -> the target's LM head
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_cache.drafter.attention import attend
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.inputs import DraftInputs
+from dflash_cache.drafter.loss import DrafterLoss, drafter_loss
+from dflash_cache.drafter.masks import BatchMasks, BlockLayout
+from dflash_cache.errors import DFlashCacheError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # The outer cast keeps bf16 activations bf16 under autocast, where the weight is fp32.
+        return (self.weight * x32.to(x.dtype)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("inv_freq", 1.0 / theta**exponent, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for rotating [T, heads, D] at `positions`."""
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rope
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x, context, rope_q, rope_kv, mask) -> torch.Tensor:
+        """x [Q, H] normed block states; context [N, H]; rope_q for the Q block positions, rope_kv
+        for the N context then Q block positions; mask a BlockMask or dense [Q, N+Q]."""
+        heads = lambda t: t.view(t.shape[0], -1, self.head_dim)  # noqa: E731
+        q = self.q_norm(heads(self.q_proj(x)))
+        k = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(x)])))
+        v = heads(torch.cat([self.v_proj(context), self.v_proj(x)]))
+        q, k = rotate(q, rope_q), rotate(k, rope_kv)
+        as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731  [T, heads, D] -> [1, heads, T, D]
+        out = attend(as_batch(q), as_batch(k), as_batch(v), mask)
+        return self.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, context, rope_q, rope_kv, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """`head` (the target's frozen embeddings and LM head) is held as plain tensors: it moves with
+    `.to()` but is not a parameter, buffer or state-dict entry.
+
+    attention="flex" uses flex-attention, except on the CPU with gradients enabled (flex-attention has
+    no CPU backward), where it falls back to the dense reference; attention="dense" always uses the
+    reference. `tile` is the BlockMask tile size."""
+
+    def __init__(self, config: DrafterConfig, head: TargetHead | None = None, attention: str = "flex", tile: int = 128):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.head = head
+        self.attention = attention
+        self.tile = tile
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        if self.head is not None:
+            self.head = self.head.apply(fn)
+        return super()._apply(fn, recurse)
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.fc.weight.dtype
+
+    def masks(self, inputs: DraftInputs) -> BatchMasks:
+        """This batch's attention masks. Built outside the compiled region, so that a compiled drafter
+        sees them as inputs."""
+        layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, self.config.block_size, self.tile)
+        dense = self.attention == "dense" or (layout.q_seq.device.type == "cpu" and torch.is_grad_enabled())
+        return BatchMasks.build(layout, self.config.layer_types, self.config.sliding_window, dense, self.tile)
+
+    def block_states(self, inputs: DraftInputs, masks: BatchMasks | None = None) -> torch.Tensor:
+        """The final (normed) hidden states of every block, [A, B, H]."""
+        if self.head is None:
+            raise DFlashCacheError("the drafter has no target head; load CACHE/target/head.safetensors first.")
+        masks = self.masks(inputs) if masks is None else masks
+        config, dtype = self.config, self.compute_dtype(inputs.hidden.device)
+        a, b = inputs.anchors.shape[0], config.block_size
+        context = self.hidden_norm(self.fc(inputs.hidden.to(dtype)))
+
+        slot = torch.arange(b, device=inputs.anchors.device)
+        tokens = torch.where(slot == 0, inputs.input_ids[inputs.anchors][:, None], config.mask_token_id)
+        x = F.embedding(tokens.reshape(-1), self.head.embed_tokens).to(dtype)
+
+        block_positions = masks.layout.q_pos[: a * b]
+        rope_q = self.rotary(block_positions, dtype)
+        rope_kv = self.rotary(torch.cat([inputs.positions, block_positions]), dtype)
+        for layer, kind in zip(self.layers, config.layer_types):
+            x = layer(x, context, rope_q, rope_kv, masks.by_type[kind])
+        return self.norm(x).view(a, b, -1)
+
+    def forward(
+        self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target"
+    ) -> DrafterLoss:
+        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels)

@@ -1,0 +1,42 @@
+"""Run a drafter on a FeatureBatch, eagerly or compiled.
+
+Eager (default): the module runs as is, on shapes that change every batch; only the flex-attention
+kernel is compiled, once, for dynamic shapes. Compiled: the module runs under `torch.compile` on
+inputs padded to a fixed token and anchor budget, so one graph serves every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.drafter.inputs import DraftInputs
+from dflash_cache.drafter.loss import DrafterLoss
+from dflash_cache.errors import DFlashCacheError
+
+
+class DrafterRunner:
+    """`module` is a DFlashDrafter or a wrapper with the same forward (DDP)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compiled: bool = False,
+        token_budget: int | None = None,
+        anchor_budget: int | None = None,
+        backend: str = "inductor",
+    ):
+        if compiled and (token_budget is None or anchor_budget is None):
+            raise DFlashCacheError("the compiled drafter needs a token budget and an anchor budget.")
+        self.drafter = getattr(module, "module", module)
+        self.compiled = compiled
+        self.token_budget = token_budget
+        self.anchor_budget = anchor_budget
+        self.forward = torch.compile(module, dynamic=False, backend=backend) if compiled else module
+
+    def __call__(self, batch: FeatureBatch, anchors: torch.Tensor, gamma: float = 7.0, labels: str = "target") -> DrafterLoss:
+        inputs = DraftInputs.build(batch, anchors)
+        if self.compiled:
+            inputs = inputs.padded(self.token_budget, self.anchor_budget, self.drafter.config.block_size)
+        return self.forward(inputs, self.drafter.masks(inputs), gamma=gamma, labels=labels)

@@ -1,0 +1,53 @@
+"""Tiny drafter configs, target heads and packed batches shared by the drafter tests."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.head import TargetHead
+
+HIDDEN = 32
+VOCAB = 61
+MASK_ID = VOCAB - 1
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    """Both layer types, a window small enough to cut context, GQA."""
+    values = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        block_size=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=MASK_ID,
+        num_target_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+    )
+    return DrafterConfig(**{**values, **overrides})
+
+
+def random_head(seed: int = 0, hidden: int = HIDDEN, vocab: int = VOCAB) -> TargetHead:
+    g = torch.Generator().manual_seed(seed)
+    return TargetHead(torch.randn(vocab, hidden, generator=g), torch.ones(hidden), torch.randn(vocab, hidden, generator=g) / 2)
+
+
+def random_batch(lengths: list[int], seed: int = 0, num_layers: int = 2, hidden: int = HIDDEN, mask_rate: float = 0.3) -> FeatureBatch:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return FeatureBatch(
+        sample_ids=list(range(len(lengths))),
+        input_ids=torch.randint(0, MASK_ID, (n,), generator=g),
+        loss_mask=torch.rand(n, generator=g) > mask_rate,
+        target_ids=torch.randint(0, MASK_ID, (n,), generator=g),
+        hidden=torch.randn(n, num_layers * hidden, generator=g).bfloat16(),
+        cu_seqlens=cu,
+    )
