@@ -1,0 +1,179 @@
+"""Drafter training-step throughput and model-FLOPs utilisation, eager and compiled.
+
+    python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
+                                 [--modes eager,compiled] [--steps 10] [--json FILE]
+
+The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
+attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0, fused AdamW.
+Batches are synthetic and shaped like the peer's (../shared/peer): packed samples of 1000-4000 tokens
+up to --tokens, the first 10-30% of each sample outside the loss mask, --anchors anchors per batch,
+random hidden states and token ids; two different batches alternate.
+
+MFU counts the useful matmul and attention FLOPs of a step (the same terms as the peer's script,
+minus its second LM-head pass, which this drafter does not make because the cache stores the
+target's argmax) against --peak-tflops. Mask building (BlockMask for both layer types) is timed
+on its own and reported as a share of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.inputs import DraftInputs
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.drafter.runner import DrafterRunner
+
+
+def synthetic_batch(config, tokens: int, seed: int, device: str) -> FeatureBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while True:
+        n = int(torch.randint(1000, 4001, (1,), generator=g))
+        if total + n > tokens:
+            break
+        lengths.append(n)
+        total += n
+    mask = torch.zeros(total, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        prompt = int(n * (0.1 + 0.2 * float(torch.rand(1, generator=g))))
+        mask[start + prompt : start + n] = True
+        start += n
+    width = len(config.target_layer_ids) * config.target_hidden_size
+    return FeatureBatch(
+        sample_ids=list(range(len(lengths))),
+        input_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=g),
+        loss_mask=mask,
+        target_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=g),
+        hidden=torch.randn(total, width, generator=g).bfloat16(),
+        cu_seqlens=torch.tensor([0] + lengths).cumsum(0).int(),
+    ).to(device)
+
+
+def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
+    """Useful FLOPs of one training step (forward + backward)."""
+    h, i, v, b = config.hidden_size, config.intermediate_size, config.vocab_size, config.block_size
+    nh, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    t, a = batch.num_tokens, anchors.numel()
+    tq, tkv = a * b, t + a * b
+    pos = batch.position_ids()[anchors].double()
+    pairs = {
+        "full_attention": a * b * (pos.mean().item() + b),
+        "sliding_attention": a * b * (pos.clamp(max=config.sliding_window or 0).mean().item() + (b + 1) / 2),
+    }
+    per_layer = 4 * tq * h * nh * d + 4 * tkv * h * nkv * d + 6 * tq * h * i
+    attention = sum(4 * nh * d * pairs[kind] for kind in config.layer_types)
+    layers_fwd = config.num_hidden_layers * per_layer + attention
+    fc = 2 * t * len(config.target_layer_ids) * config.target_hidden_size * h
+    lm_head = 2 * tq * h * v
+    # layers: forward + 2x backward; fc: forward + weight gradient; frozen LM head: forward + input gradient
+    return 3 * layers_fwd + 2 * fc + 2 * lm_head
+
+
+def run_mode(mode: str, args, config, device: str) -> dict:
+    torch.manual_seed(0)
+    head = TargetHead(
+        embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
+        norm=torch.ones(config.hidden_size),
+        lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
+    ).to(device=device, dtype=torch.bfloat16)
+    model = DFlashDrafter(config, head).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
+    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
+    batches = [synthetic_batch(config, args.tokens, seed, device) for seed in (1, 2)]
+    g = torch.Generator(device=device).manual_seed(0)
+    anchors = [sample_anchors(batch, config.block_size, args.anchors, g, max_total=args.anchors) for batch in batches]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step(k: int) -> torch.Tensor:
+        batch = batches[k % 2]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = runner(batch, anchors[k % 2])
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return out.loss.detach()
+
+    started = time.perf_counter()
+    for k in range(args.warmup):
+        step(k)
+    sync()
+    warmup_s = time.perf_counter() - started
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for k in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(step(k))
+        sync()
+        times.append(time.perf_counter() - t0)
+    mask_times = []
+    for k in range(args.steps):
+        inputs = DraftInputs.build(batches[k % 2], anchors[k % 2])
+        sync()
+        t0 = time.perf_counter()
+        model.masks(inputs)
+        sync()
+        mask_times.append(time.perf_counter() - t0)
+    step_s = statistics.mean(times)
+    tokens = statistics.mean(batches[k % 2].num_tokens for k in range(args.steps))
+    flops = statistics.mean(step_flops(config, batches[k % 2], anchors[k % 2]) for k in range(args.steps))
+    return {
+        "mode": mode,
+        "tokens_per_step": tokens,
+        "anchors_per_step": statistics.mean(a.numel() for a in anchors),
+        "tokens_per_s": tokens / step_s,
+        "step_ms": step_s * 1e3,
+        "step_ms_median": statistics.median(times) * 1e3,
+        "mfu": flops / step_s / (args.peak_tflops * 1e12),
+        "model_tflop_per_step": flops / 1e12,
+        "mask_ms": statistics.mean(mask_times) * 1e3,
+        "mask_share": statistics.mean(mask_times) / step_s,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        "warmup_s": warmup_s,
+        "loss_first": losses[0].item(),
+        "loss_last": losses[-1].item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.6-27b", help="drafter preset or JSON file")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak used for MFU (measured on an H200)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = load_drafter_config(args.preset)
+    results = []
+    for mode in args.modes.split(","):
+        result = run_mode(mode, args, config, args.device)
+        results.append(result)
+        print(f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "
+              f"masks {result['mask_ms']:.2f} ms ({result['mask_share']:.1%} of the step)  peak {result['peak_mem_gb'] or 0:.1f} GB  "
+              f"({result['tokens_per_step']:.0f} tokens, {result['anchors_per_step']:.0f} anchors; loss {result['loss_first']:.3f} -> {result['loss_last']:.3f})",
+              flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
