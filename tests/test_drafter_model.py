@@ -136,3 +136,17 @@ def test_to_moves_the_head_and_a_missing_head_is_an_error():
     _, _, inputs = inputs_for(LENGTHS)
     with pytest.raises(DFlashCacheError, match="head"):
         DFlashDrafter(tiny_config()).block_states(inputs)
+
+
+def test_a_batch_without_anchors_gives_zero_loss_and_zero_gradients():
+    """Every parameter still takes part (a DDP rank with an empty batch must join the all-reduce)."""
+    model = make_drafter()
+    batch = random_batch([10, 5])
+    inputs = DraftInputs.build(batch, torch.zeros(0, dtype=torch.long))
+    with torch.no_grad():
+        assert model(inputs).loss == 0
+    out = model(inputs)
+    out.loss.backward()
+    assert out.loss == 0 and out.num_blocks == 0 and out.total.sum() == 0
+    for name, p in model.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name

@@ -18,6 +18,8 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor) -> torch.Tensor:
     """q [1, Hq, Q, D]; k, v [1, Hkv, KV, D]; mask a BlockMask or a dense [Q, KV] bool -> [1, Hq, Q, D]."""
+    if q.shape[2] == 0:  # a batch without blocks; flex-attention cannot run on no queries
+        mask = torch.zeros(0, k.shape[2], dtype=torch.bool, device=q.device)
     if isinstance(mask, torch.Tensor):
         return reference_attention(q, k, v, mask)
     kernel = compiled_flex_attention if q.device.type == "cuda" else flex_attention

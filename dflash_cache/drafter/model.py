@@ -71,14 +71,15 @@ class Attention(nn.Module):
     def forward(self, x, context, rope_q, rope_kv, mask) -> torch.Tensor:
         """x [Q, H] normed block states; context [N, H]; rope_q for the Q block positions, rope_kv
         for the N context then Q block positions; mask a BlockMask or dense [Q, N+Q]."""
-        heads = lambda t: t.view(t.shape[0], -1, self.head_dim)  # noqa: E731
+        heads = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
         q = self.q_norm(heads(self.q_proj(x)))
         k = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(x)])))
         v = heads(torch.cat([self.v_proj(context), self.v_proj(x)]))
         q, k = rotate(q, rope_q), rotate(k, rope_kv)
-        as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731  [T, heads, D] -> [1, heads, T, D]
+        # [T, heads, D] -> [1, heads, T, D], contiguous: inductor's CPU flex kernel takes no strided views
+        as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731
         out = attend(as_batch(q), as_batch(k), as_batch(v), mask)
-        return self.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+        return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
 
 class MLP(nn.Module):
@@ -168,7 +169,7 @@ class DFlashDrafter(nn.Module):
         rope_kv = self.rotary(torch.cat([inputs.positions, block_positions]), dtype)
         for layer, kind in zip(self.layers, config.layer_types):
             x = layer(x, context, rope_q, rope_kv, masks.by_type[kind])
-        return self.norm(x).view(a, b, -1)
+        return self.norm(x).unflatten(0, (a, b))
 
     def forward(
         self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target"

@@ -1,0 +1,104 @@
+"""The drafter on a GPU: the fused flex kernel (which skips tiles, so the BlockMask tile lists matter),
+its backward, and the eager and compiled modes' graph counts. Skipped without CUDA."""
+
+import copy
+
+import pytest
+import torch
+
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.inputs import DraftInputs
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.drafter.runner import DrafterRunner
+from tests.test_drafter_helpers import random_batch, random_head, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+BATCHES = [([900, 37, 1500, 260, 12, 700], 0), ([2000, 333], 1), ([64] * 20 + [1000], 2)]
+
+
+def gpu_drafter(**kwargs):
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=64, head_dim=16, sliding_window=100, **kwargs)
+    return DFlashDrafter(config, random_head(0, hidden=64)).cuda()
+
+
+def gpu_batch(lengths, seed, max_anchors=24):
+    batch = random_batch(lengths, seed=seed, hidden=64).to("cuda")
+    anchors = sample_anchors(batch, 4, max_anchors, torch.Generator("cuda").manual_seed(seed))
+    return batch, anchors
+
+
+def test_fused_flex_matches_dense_forward_and_backward():
+    flex = gpu_drafter()
+    dense = copy.deepcopy(flex)
+    dense.attention = "dense"
+    for lengths, seed in BATCHES:
+        batch, anchors = gpu_batch(lengths, seed)
+        inputs = DraftInputs.build(batch, anchors)
+        got, want = flex(inputs, gamma=4.0), dense(inputs, gamma=4.0)
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-4, rtol=1e-4)
+        flex.zero_grad()
+        dense.zero_grad()
+        got.loss.backward()
+        want.loss.backward()
+        for (name, a), b in zip(flex.named_parameters(), dense.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_eager_mode_compiles_the_kernel_once_for_all_shapes():
+    from torch._dynamo.utils import counters
+
+    model = gpu_drafter()
+    runner = DrafterRunner(model)
+    graph_counts = []
+    for lengths, seed in BATCHES:
+        batch, anchors = gpu_batch(lengths, seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            runner(batch, anchors).loss.backward()
+        graph_counts.append(counters["stats"]["unique_graphs"])
+    assert graph_counts[1] == graph_counts[2]
+
+
+def test_compiled_mode_matches_eager_without_recompiling():
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def counting_inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    model = gpu_drafter()
+    eager = DrafterRunner(model)
+    compiled = DrafterRunner(model, compiled=True, token_budget=4096, anchor_budget=160, backend=counting_inductor)
+    for lengths, seed in BATCHES:
+        batch, anchors = gpu_batch(lengths, seed, max_anchors=8)
+        want, got = eager(batch, anchors, gamma=4.0), compiled(batch, anchors, gamma=4.0)
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.total, want.total) and got.num_blocks == want.num_blocks
+        got.loss.backward()
+    assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("window", [None, 6, 3, 300])
+def test_fused_kernel_equals_dense_reference_across_many_tiles(window):
+    from dflash_cache.drafter.attention import compiled_flex_attention, reference_attention
+    from dflash_cache.drafter.masks import BlockLayout, block_mask, dense_mask
+
+    batch, anchors = gpu_batch([900, 37, 1500, 260, 12, 700], 3, max_anchors=40)
+    layout = BlockLayout.build(batch.sequence_ids(), batch.position_ids(), anchors, 4)
+    g = torch.Generator("cuda").manual_seed(3)
+    q = torch.randn(1, 4, layout.num_queries, 16, device="cuda", generator=g)
+    k, v = (torch.randn(1, 2, layout.num_keys, 16, device="cuda", generator=g) for _ in range(2))
+    out = compiled_flex_attention(q, k, v, block_mask=block_mask(layout, window), enable_gqa=True)
+    expected = reference_attention(q, k, v, dense_mask(layout, window))
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_a_batch_without_anchors_on_gpu():
+    model = gpu_drafter()
+    batch, _ = gpu_batch([300, 40], 0)
+    out = model(DraftInputs.build(batch, torch.zeros(0, dtype=torch.long, device="cuda")))
+    out.loss.backward()
+    assert out.loss == 0 and all(p.grad is not None for p in model.parameters())
