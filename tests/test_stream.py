@@ -1,6 +1,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,3 +200,18 @@ def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
             torch.cuda.synchronize()
             assert torch.equal(a.hidden.view(torch.int16), b.hidden.cpu().view(torch.int16))
             assert torch.equal(a.input_ids, b.input_ids.cpu()) and torch.equal(a.cu_seqlens, b.cu_seqlens.cpu())
+
+
+@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
+def test_decompress_into_matches_the_store(codec):
+    from dflash_cache.store.codecs import compress, decompress, encode, encoded_size
+    from dflash_cache.stream.planes import PLANE_LAYOUT, decompress_into
+
+    x = torch.randn(37, 3 * 16).bfloat16()
+    payload = compress(encode(x, codec, 3).planes.numpy(), codec)
+    size = encoded_size(codec, *x.shape)
+    out = np.zeros((PLANE_LAYOUT[codec][0], size // PLANE_LAYOUT[codec][0]), dtype=np.uint8)
+    decompress_into(memoryview(payload), codec, out)
+    assert np.array_equal(out.reshape(-1), decompress(payload, codec, size))
+    with pytest.raises(DFlashCacheError, match="corrupt"):
+        decompress_into(memoryview(payload[:-5]), codec, out)

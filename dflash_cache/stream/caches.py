@@ -103,9 +103,6 @@ class CacheSet:
         c, sid = self.entries[key]
         return self.caches[c].read_stored(sid)
 
-    def decode_planes(self, key: int, row: StoredRow):
-        return self.caches[self.entries[key][0]].decode_planes(row)
-
     def close(self) -> None:
         for cache in self.caches:
             cache.close()

@@ -3,9 +3,8 @@
 Two stages, both ahead of the step that consumes the batch:
 
 1. Host (a thread pool): each row of a batch is read, checksum-verified and zstd-decompressed by one
-   task, which copies its planes straight into its slice of the batch's host buffers (pinned when
-   the device is a GPU). Offsets come from the manifest lengths, so rows fill in parallel and no
-   copy happens after. At most `prefetch` batches are in this stage, which bounds host memory.
+   task straight into its slice of the batch's host buffers (pinned when the device is a GPU).
+   Offsets come from the manifest lengths, so rows fill in parallel and no copy happens after. At most `prefetch` batches are in this stage, which bounds host memory.
 2. Device (the main thread): the encoded buffers are copied to the GPU on a side stream and decoded
    there (byte-plane merge or fp8 scaling); the consuming stream waits on an event. The next batch
    is sent while the current one trains. On the CPU the same code runs without pinning or streams.
@@ -27,10 +26,7 @@ from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode
 from dflash_cache.stream.caches import CacheSet
-
-# (planes, bytes per value in each plane) of each codec's encoded layout; see store/codecs.py.
-PLANE_LAYOUT = {"bf16": (1, 2), "bf16-zstd": (2, 1), "fp8-zstd": (1, 1)}
-
+from dflash_cache.stream.planes import PLANE_LAYOUT, decompress_into
 
 class ReaderError(RuntimeError):
     """An unexpected failure while reading a row, raised in the training loop."""
@@ -73,12 +69,18 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBa
 def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     """Read, verify and decompress row `index` of the batch into its slice of the host buffers."""
     key = batch.keys[index]
+    start, end = int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1])
     try:
         row = caches.read(key)
-        start, end = int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1])
         if len(row.input_ids) != end - start:
             raise DFlashCacheError(f"row holds {len(row.input_ids)} tokens, the manifest says {end - start}")
-        planes, scales = caches.decode_planes(key, row)
+        per_token = batch.planes.shape[1] // batch.input_ids.shape[0]
+        decompress_into(row.hidden, caches.codec, batch.planes.numpy()[:, start * per_token : end * per_token])
+        if batch.scales is not None:
+            scales = batch.scales.numpy()[start:end]
+            if row.hidden_scales is None or len(row.hidden_scales) != scales.nbytes:
+                raise DFlashCacheError(f"fp8 scales hold {len(row.hidden_scales or b'')} bytes, expected {scales.nbytes}")
+            np.copyto(scales, np.frombuffer(row.hidden_scales, dtype=np.float32).reshape(scales.shape))
     except DFlashCacheError as e:
         raise DFlashCacheError(f"reading {caches.describe(key)}: {e}") from None
     except Exception as e:
@@ -86,11 +88,6 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     batch.input_ids[start:end].numpy()[:] = row.input_ids
     batch.loss_mask[start:end].numpy()[:] = row.loss_mask
     batch.target_ids[start:end].numpy()[:] = row.target_ids
-    per_token = batch.planes.shape[1] // batch.input_ids.shape[0]
-    dest = batch.planes.numpy()[:, start * per_token : end * per_token]
-    np.copyto(dest, planes.reshape(dest.shape[0], -1))
-    if batch.scales is not None:
-        batch.scales[start:end] = scales
 
 
 def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> FeatureBatch:

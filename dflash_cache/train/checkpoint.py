@@ -1,0 +1,109 @@
+"""Checkpoints in `RUN/checkpoints/step-N/`, written atomically.
+
+A checkpoint is written into `checkpoints/.step-N.tmp/`, every file fsynced, then `complete.json`
+last, then the folder is renamed to `step-N`. Resume takes the newest `step-N` holding
+`complete.json`; a folder without it (a crash mid-write, or anything else) is never picked up.
+
+Contents: the drafter (`save_drafter`'s files, which `dflash-cache export` reads), and
+`train_state.pt` with the optimizer, the LR scheduler, the RNG states of every rank and the
+stream position (epoch, batch of the epoch's plan) to continue from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.shard import fsync_dir
+
+CHECKPOINT_DIR = "checkpoints"
+TRAIN_STATE = "train_state.pt"
+COMPLETE = "complete.json"
+_NAME = re.compile(r"step-(\d+)")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(root)
+
+
+def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler, position: dict, rng_states: list[dict]) -> Path:
+    """`position`: {"step", "epoch", "batch"}; `rng_states`: one per rank. Returns the folder."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_drafter(drafter, tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "position": position, "rng": rng_states}, tmp / TRAIN_STATE)
+    (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+    _fsync_tree(tmp)
+    final = root / f"step-{step}"
+    if final.exists():  # a resumed run saving a step that an earlier attempt also saved
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / CHECKPOINT_DIR
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _NAME.fullmatch(path.name)
+            if match and (path / COMPLETE).is_file():
+                found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Delete the temporary folders of checkpoints whose writing was interrupted."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if root.is_dir():
+        for path in root.glob(".step-*.tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Restores the drafter, optimizer and scheduler in place; returns {"position", "rng"}."""
+    config, weights = load_drafter_state(path)
+    if config.to_dict() != drafter.config.to_dict():
+        raise DFlashCacheError(f"{path}: the checkpoint's drafter config differs from this run's")
+    drafter.load_state_dict({name: t.to(drafter.fc.weight.dtype) for name, t in weights.items()})
+    try:
+        state = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError) as e:
+        raise DFlashCacheError(f"{path}: unreadable {TRAIN_STATE} ({e})") from None
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return {"position": state["position"], "rng": state["rng"]}

@@ -1,0 +1,86 @@
+"""What a run reports: a progress line, `RUN/metrics.jsonl` (one JSON object per step and per
+evaluation), and TensorBoard event files in `RUN/tb/` when tensorboard is installed. Rank 0 only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tb"
+
+
+def progress_line(record: dict, total_steps: int) -> str:
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {record['loss']:.4f}",
+        f"tau {record['tau']:.3f}",
+        f"acc1 {record['acc_1']:.3f}",
+        f"{record['tokens_per_s'] / 1000:.1f}k tok/s",
+        f"lr {record['lr']:.2e}",
+    ]
+    if record.get("gpu_mem_gib") is not None:
+        parts.append(f"mem {record['gpu_mem_gib']:.1f} GiB")
+    if record.get("skipped"):
+        parts.append(f"skipped {record['skipped']}")
+    return " | ".join(parts)
+
+
+def eval_line(record: dict) -> str:
+    return (f"eval @ step {record['step']}: loss {record['eval_loss']:.4f} | tau {record['eval_tau']:.3f} | "
+            f"acc1 {record['eval_acc_1']:.3f} | {record['eval_batches']} batches")
+
+
+def _summary_writer(directory: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional at run time
+        return None
+    return SummaryWriter(str(directory))
+
+
+class MetricsLog:
+    """Appends to metrics.jsonl; on resume, lines past the resumed step (written after the
+    checkpoint by the interrupted run) are dropped first so the file reads as one run."""
+
+    def __init__(self, run_dir: Path, total_steps: int, resumed_step: int, echo: Callable[[str], None],
+                 log_every: int = 1):
+        self.total_steps = total_steps
+        self.echo = echo
+        self.log_every = log_every
+        path = Path(run_dir) / METRICS_FILE
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+        self.tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR)
+
+    def write(self, record: dict, line: str | None) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(name, value, record["step"])
+        if line is not None:
+            self.echo(line)
+
+    def step(self, record: dict) -> None:
+        show = record["step"] % self.log_every == 0 or record["step"] == self.total_steps
+        self.write(record, progress_line(record, self.total_steps) if show else None)
+
+    def eval(self, record: dict) -> None:
+        self.write(record, eval_line(record))
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a torn last line from a killed run: drop it

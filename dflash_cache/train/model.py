@@ -1,0 +1,57 @@
+"""The drafter a run trains: its config fitted to the caches, and the frozen target head they carry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_cache.drafter.config import DrafterConfig, adapt_to_cache, load_drafter_config
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.caches import CacheSet
+
+HEAD_FILE = "head.safetensors"
+
+
+def tokenizer_mask_token(target_dir: Path) -> int | None:
+    """The mask token id the cache's tokenizer declares, read from its files (no tokenizer loaded)."""
+    try:
+        name = json.loads((target_dir / "tokenizer_config.json").read_text()).get("mask_token")
+        added = json.loads((target_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    if isinstance(name, dict):
+        name = name.get("content")
+    return next((t["id"] for t in added if t.get("content") == name), None) if name else None
+
+
+def drafter_config_for(name_or_path: str, caches: CacheSet) -> tuple[DrafterConfig, list[str]]:
+    """The drafter config fitted to the caches (a preset adapts; a JSON file must already match),
+    and one line per change. The mask token is the tokenizer's if it declares one."""
+    spec = caches.spec
+    config = load_drafter_config(name_or_path)
+    mask = tokenizer_mask_token(caches.head_dir)
+    return adapt_to_cache(config, target_hidden_size=spec["target"]["hidden_size"],
+                          vocab_size=spec["target"]["vocab_size"],
+                          mask_token_id=config.mask_token_id if mask is None else mask,
+                          layer_ids=spec["layer_ids"], num_target_layers=spec["target"]["num_layers"])
+
+
+def check_head(caches: CacheSet) -> Path:
+    path = caches.head_dir / HEAD_FILE
+    if not path.is_file():
+        raise DFlashCacheError(f"{path} is missing: the cache lacks the target head the drafter shares (rerun extract)")
+    return path
+
+
+def build_drafter(config: DrafterConfig, caches: CacheSet, device: torch.device, seed: int) -> DFlashDrafter:
+    """fp32 weights initialised from `seed` (the same on every rank), with the bf16 target head."""
+    head = TargetHead.load(check_head(caches), device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDrafter(config)
+    model.head = head
+    return model.to(device)

@@ -1,0 +1,46 @@
+"""The run folder `--out`: what run it holds (`run.json`), and the checks that keep a run from
+overwriting another or resuming under a different config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.caches import differences
+from dflash_cache.train.checkpoint import latest_checkpoint
+
+RUN_FILE = "run.json"
+
+
+def run_identity(trajectory: dict, world: int, cache_specs: list[dict], cache_samples: list[int],
+                 drafter: dict) -> dict:
+    """What a resumed run must share with the run it continues."""
+    return {"options": trajectory, "world_size": world, "cache_specs": cache_specs,
+            "cache_samples": cache_samples, "drafter": drafter}
+
+
+def prepare_run_dir(out: Path, identity: dict, resume: bool) -> Path | None:
+    """Checks `out` against `resume`; a fresh run writes run.json. Returns the checkpoint to resume from."""
+    out = Path(out)
+    run_file = out / RUN_FILE
+    if resume:
+        if not run_file.is_file():
+            raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
+        old = json.loads(run_file.read_text())
+        if diff := differences(old, json.loads(json.dumps(identity))):
+            raise DFlashCacheError(f"--resume: {out} was started with a different config ({'; '.join(diff[:4])}); "
+                                   "resume with the same options and caches, or choose another --out")
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            raise DFlashCacheError(f"--resume: {out} holds no complete checkpoint yet; delete it or choose another --out")
+        return checkpoint
+    if run_file.is_file():
+        raise DFlashCacheError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DFlashCacheError(f"{out} exists and is not an empty folder; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = run_file.with_name(RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(identity, indent=2) + "\n")
+    tmp.replace(run_file)
+    return None

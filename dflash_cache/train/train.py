@@ -1,0 +1,259 @@
+"""`train`: DFlash drafter training from one or more caches, top to bottom.
+
+Precision: the drafter's weights, gradients and AdamW state are fp32 (the master weights); forward
+and backward run under bf16 autocast. The frozen target head (embeddings, LM head) stays bf16.
+
+Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
+so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
+where it was interrupted and resumed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.caches import CacheSet
+from dflash_cache.stream.epochs import EVAL, TRAIN, EpochPlan, batch_seed, held_out_batches
+from dflash_cache.stream.loader import Loader
+from dflash_cache.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partial, rng_state,
+                                           save_checkpoint, set_rng_state)
+from dflash_cache.train.config import TrainConfig
+from dflash_cache.train.distributed import (Rank, all_gather_objects, all_reduce_sum, init_rank, launch,
+                                            plan_devices, shutdown, under_torchrun)
+from dflash_cache.train.metrics import MetricsLog
+from dflash_cache.train.model import build_drafter, check_head, drafter_config_for
+from dflash_cache.train.optim import build_optimizer, build_scheduler
+from dflash_cache.train.rundir import prepare_run_dir, run_identity
+
+Echo = Callable[[str], None]
+# Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
+STATS = 6
+
+
+def train(cfg: TrainConfig, echo: Echo = print) -> None:
+    """Check everything that can be checked up front, then run every rank (spawned, or this process)."""
+    cfg.check()
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available() and not cfg.cpu_procs:
+            device = f"cuda:{cfg.gpus[local] if cfg.gpus else local}"
+        else:
+            device = "cpu"
+        if rank == 0:
+            prepare(cfg, world, echo)
+        run_rank(rank, world, device, cfg, echo)
+        return
+    devices = plan_devices(cfg.gpus, cfg.cpu_procs)
+    prepare(cfg, len(devices), echo)
+    launch(run_rank, devices, (cfg, echo))
+
+
+def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
+    """Bad input fails here, before any process is spawned: caches, drafter config, run folder, plan."""
+    caches = CacheSet(cfg.caches)
+    config, notes = drafter_config_for(cfg.drafter, caches)
+    check_head(caches)
+    identity = run_identity(cfg.trajectory(), world, [c.spec for c in caches.caches],
+                            [len(c) for c in caches.caches], config.to_dict())
+    checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
+    train_keys, eval_keys = caches.split(cfg.eval_fraction)
+    plan = EpochPlan(train_keys, caches.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
+    total = plan.total_steps(cfg.epochs, cfg.steps)
+    for note in notes:
+        echo(f"drafter config: {note}")
+    echo(f"{len(caches)} samples in {len(caches.caches)} cache(s): {len(train_keys)} to train on, "
+         f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps")
+    for line in plan.describe(0):
+        echo(line)
+    if checkpoint is not None:
+        echo(f"resuming from {checkpoint}")
+
+
+def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo) -> None:
+    me = init_rank(rank, world, device, cfg.collective_timeout_s)
+    try:
+        run(me, cfg, echo if me.is_main else None)
+    finally:
+        shutdown()
+
+
+def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
+    out = Path(cfg.out)
+    caches = CacheSet(cfg.caches)
+    train_keys, eval_keys = caches.split(cfg.eval_fraction)
+    plan = EpochPlan(train_keys, caches.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
+    total = plan.total_steps(cfg.epochs, cfg.steps)
+    held_out = held_out_batches(eval_keys, caches.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
+
+    config, _ = drafter_config_for(cfg.drafter, caches)
+    model = build_drafter(config, caches, me.device, cfg.seed)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * total)
+    scheduler = build_scheduler(optimizer, warmup, total, cfg.min_lr_ratio)
+    position = {"step": 0, "epoch": 0, "epoch_step": 0, "skipped": 0}
+    if cfg.resume:
+        restored = load_checkpoint(latest_checkpoint(out), model, optimizer, scheduler)
+        position = restored["position"]
+        set_rng_state(restored["rng"][me.rank])
+
+    ddp = model
+    if me.world > 1:
+        ddp = DistributedDataParallel(model, device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    anchor_budget = None
+    if cfg.compile:
+        anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
+        token_budget = max(cfg.token_budget, max(caches.lengths[k] for k in train_keys))
+        runner = DrafterRunner(ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget,
+                               backend=cfg.compile_backend)
+    else:
+        runner = DrafterRunner(ddp)
+    eval_runner = DrafterRunner(model)  # eager and unwrapped: ranks may evaluate different numbers of batches
+
+    log = None
+    if echo is not None:
+        remove_partial(out)
+        log = MetricsLog(out, total, position["step"], echo, cfg.log_every)
+    saved_at = position["step"]
+    try:
+        while position["step"] < total:
+            epoch = position["epoch"]
+            batches = plan.rank_batches(epoch, me.rank)
+            start = position["epoch_step"] * cfg.grad_accum
+            with Loader(caches, batches[start:], me.device, cfg.prefetch, cfg.workers) as loader:
+                tick = time.perf_counter()
+                for local in range(start, len(batches), cfg.grad_accum):
+                    if position["step"] >= total:
+                        break
+                    micro = [(plan.global_index(local + i, me.rank), next(loader)) for i in range(cfg.grad_accum)]
+                    lr = scheduler.get_last_lr()[0]
+                    stats, grad_norm, losses = train_step(runner, ddp, micro, cfg, me, epoch, config.block_size,
+                                                          anchor_budget, position["step"], caches)
+                    if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
+                        handle_nonfinite([b for _, b in micro], losses, cfg, position["step"] + 1, caches)
+                        position["skipped"] += 1
+                        optimizer.zero_grad(set_to_none=True)
+                    else:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    position["step"] += 1
+                    position["epoch_step"] += 1
+                    now = time.perf_counter()
+                    if log is not None:
+                        log.step(step_record(stats, grad_norm, lr, now - tick, position, me, cfg.grad_accum))
+                    step = position["step"]
+                    if held_out and (step % cfg.eval_every == 0 or step == total):
+                        result = evaluate(eval_runner, caches, held_out, cfg, me, config.block_size)
+                        if log is not None:
+                            log.eval({"step": step, **result})
+                    if step % cfg.save_every == 0 or step == total:
+                        save(out, model, optimizer, scheduler, position, me)
+                        saved_at = step
+                    tick = time.perf_counter()
+            if position["epoch_step"] * cfg.grad_accum >= len(batches):
+                position["epoch"] += 1
+                position["epoch_step"] = 0
+        if saved_at != position["step"]:
+            save(out, model, optimizer, scheduler, position, me)
+    finally:
+        if log is not None:
+            log.close()
+        caches.close()
+
+
+def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[int, FeatureBatch]], cfg: TrainConfig,
+               me: Rank, epoch: int, block_size: int, anchor_budget: int | None, step: int, caches: CacheSet
+               ) -> tuple[list[float], float, list[torch.Tensor]]:
+    """Forward and backward of this rank's micro-batches; gradients averaged over ranks by DDP.
+    Returns the step's STATS summed over every rank, the gradient norm before clipping, and this
+    rank's loss of each micro-batch."""
+    stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
+    losses = []
+    for i, (index, batch) in enumerate(micro):
+        last = i == len(micro) - 1
+        generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, TRAIN, epoch, index))
+        anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_budget)
+        sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
+        try:
+            with sync:
+                with torch.autocast(me.device.type, dtype=torch.bfloat16):
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                (out.loss / len(micro)).backward()
+        except torch.OutOfMemoryError:
+            raise DFlashCacheError(f"out of GPU memory at step {step + 1} on {describe_batch(batch, caches)}; "
+                                   "lower --token-budget or --max-anchors") from None
+        stats += torch.stack([out.loss.detach().double(), (out.tau * out.num_blocks).double(),
+                              out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
+                              torch.tensor(float(batch.num_tokens), device=me.device, dtype=torch.float64)])
+        losses.append(out.loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.grad_clip)
+    values = torch.cat([all_reduce_sum(stats), grad_norm.detach().double().reshape(1)]).tolist()
+    return values[:STATS], values[STATS], losses
+
+
+def describe_batch(batch: FeatureBatch, caches: CacheSet, limit: int = 16) -> str:
+    ids = ", ".join(str(s) for s in batch.sample_ids[:limit]) + (", ..." if len(batch.sample_ids) > limit else "")
+    where = "" if len(caches.caches) == 1 else " (union of caches)"
+    return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){where}"
+
+
+def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cfg: TrainConfig, step: int,
+                     caches: CacheSet) -> None:
+    """Skip the step (--skip-nonfinite) or stop every rank with the same message naming the batches."""
+    bad = [describe_batch(b, caches) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
+    everywhere = [b for rank_bad in all_gather_objects(bad) for b in rank_bad]
+    if cfg.skip_nonfinite:
+        return
+    what = "; ".join(everywhere) if everywhere else "finite losses but a non-finite gradient norm"
+    raise DFlashCacheError(f"non-finite loss at step {step}: {what}; pass --skip-nonfinite to skip such steps")
+
+
+@torch.no_grad()
+def evaluate(runner: DrafterRunner, caches: CacheSet, held_out: list[tuple[int, list[int]]], cfg: TrainConfig,
+             me: Rank, block_size: int) -> dict:
+    stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
+    with Loader(caches, [b for _, b in held_out], me.device, cfg.prefetch, cfg.workers) as loader:
+        for (index, _), batch in zip(held_out, loader):
+            generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
+            anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator)
+            with torch.autocast(me.device.type, dtype=torch.bfloat16):
+                out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+            stats += torch.stack([out.loss.double(), (out.tau * out.num_blocks).double(), out.num_blocks.double(),
+                                  out.correct[0].double(), out.total[0].double(),
+                                  torch.tensor(1.0, device=me.device, dtype=torch.float64)])
+    loss, tau_blocks, blocks, hits, counted, batches = all_reduce_sum(stats).tolist()
+    return {"eval_loss": loss / max(batches, 1), "eval_tau": tau_blocks / max(blocks, 1),
+            "eval_acc_1": hits / max(counted, 1), "eval_batches": int(batches)}
+
+
+def step_record(stats: list[float], grad_norm: float, lr: float, seconds: float, position: dict, me: Rank,
+                grad_accum: int) -> dict:
+    loss, tau_blocks, blocks, hits, counted, tokens = stats
+    record = {
+        "step": position["step"], "epoch": position["epoch"], "loss": loss / (me.world * grad_accum),
+        "tau": tau_blocks / max(blocks, 1), "acc_1": hits / max(counted, 1), "grad_norm": grad_norm, "lr": lr,
+        "tokens": int(tokens), "tokens_per_s": tokens / max(seconds, 1e-9), "step_time_s": seconds,
+        "skipped": position["skipped"],
+    }
+    if me.device.type == "cuda":
+        record["gpu_mem_gib"] = torch.cuda.max_memory_allocated(me.device) / 2**30
+    return record
+
+
+def save(out: Path, model, optimizer, scheduler, position: dict, me: Rank) -> None:
+    rngs = all_gather_objects(rng_state())
+    if me.is_main:
+        save_checkpoint(out, position["step"], model, optimizer, scheduler, dict(position), rngs)

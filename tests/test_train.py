@@ -1,0 +1,149 @@
+import json
+import math
+import shutil
+import time
+
+import pytest
+import torch
+
+import dflash_cache.train.train as train_module
+from dflash_cache import DFlashCacheError
+from dflash_cache.stream.caches import CacheSet
+from dflash_cache.stream.loader import ReaderError
+from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
+from dflash_cache.train.train import train
+from tests.test_train_helpers import losses, make_cache, metrics, tiny_config
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("cache") / "c")
+
+
+def test_eager_run_writes_metrics_checkpoint_and_tensorboard(tmp_path, cache):
+    lines = []
+    train(tiny_config(tmp_path, cache, steps=3, eval_fraction=0.2, eval_every=2), echo=lines.append)
+    run = tmp_path / "run"
+    records = metrics(run)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert {"step", "loss", "tau", "acc_1", "tokens_per_s", "lr", "grad_norm"} <= set(r)
+        assert math.isfinite(r["loss"]) and r["tau"] >= 1 and r["tokens_per_s"] > 0
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 3] and math.isfinite(evals[0]["eval_loss"])
+    assert any(line.startswith("Batches per epoch:") for line in lines)
+    assert any(line.startswith("step 3/3 | loss") for line in lines)
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-3"
+    assert list((run / "tb").iterdir())
+
+
+def test_compiled_mode_matches_eager_with_one_graph(tmp_path, cache):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    train(tiny_config(tmp_path, cache, out="eager", steps=3), echo=lambda s: None)
+    train(tiny_config(tmp_path, cache, out="compiled", steps=3, compile=True, compile_backend="aot_eager"),
+          echo=lambda s: None)
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1  # padded shapes: no recompilation across batches
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(monkeypatch, step: int):
+    """Make the run die in the middle of `step` (1-based), as a kill would."""
+    real = train_module.train_step
+    calls = []
+
+    def step_or_crash(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise Crash
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step_or_crash)
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
+    # 16 samples, budget 128: 6 batches an epoch; 8 steps cross into epoch 1.
+    options = dict(steps=8, save_every=3, grad_accum=1)
+    train(tiny_config(tmp_path, cache, out="whole", **options), echo=lambda s: None)
+    whole = losses(tmp_path / "whole")
+    assert len(whole) == 8
+
+    with monkeypatch.context() as m:
+        crash_at(m, 8)
+        with pytest.raises(Crash):
+            train(tiny_config(tmp_path, cache, out="cut", **options), echo=lambda s: None)
+    run = tmp_path / "cut"
+    assert latest_checkpoint(run).name == "step-6"  # saved at the end of epoch 0
+    # A checkpoint being written when the run died: never picked up.
+    partial = run / "checkpoints" / "step-7"
+    shutil.copytree(run / "checkpoints" / "step-6", partial)
+    (partial / COMPLETE).unlink()
+    (run / "checkpoints" / ".step-7.tmp").mkdir()
+    train(tiny_config(tmp_path, cache, out="cut", resume=True, **options), echo=lambda s: None)
+    assert losses(run) == whole  # bit-exact, and the metrics file reads as one run
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+    assert not (run / "checkpoints" / ".step-7.tmp").exists()
+
+
+def test_reader_failure_ends_the_run_promptly(tmp_path, cache, monkeypatch):
+    real = CacheSet.read
+
+    def read(self, key):
+        if key == 3:
+            raise OSError("injected: disk went away")
+        return real(self, key)
+
+    monkeypatch.setattr(CacheSet, "read", read)
+    start = time.monotonic()
+    with pytest.raises(ReaderError, match="sample 3: OSError: injected: disk went away"):
+        train(tiny_config(tmp_path, cache, epochs=1), echo=lambda s: None)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
+    import dflash_cache.stream.loader as loader
+
+    real = loader.to_device
+
+    def poisoned(host, *args):
+        batch = real(host, *args)
+        if 2 in batch.sample_ids:  # sample 2's batch gets NaN hidden states
+            batch.hidden.fill_(float("nan"))
+        return batch
+
+    monkeypatch.setattr(loader, "to_device", poisoned)
+    cfg = tiny_config(tmp_path, cache, epochs=1, skip_nonfinite=skip)
+    if not skip:
+        with pytest.raises(DFlashCacheError, match=r"non-finite loss at step \d+: a batch of \d+ tokens in \d+ sequences \(sample ids [^)]*\b2\b"):
+            train(cfg, echo=lambda s: None)
+        return
+    train(cfg, echo=lambda s: None)
+    records = metrics(tmp_path / "run")
+    assert records[-1]["skipped"] == 1
+    assert sum(1 for r in records if not math.isfinite(r["loss"])) == 1
+
+
+def test_out_of_memory_names_the_batch(tmp_path, cache, monkeypatch):
+    from dflash_cache.drafter.runner import DrafterRunner
+
+    def oom(self, batch, anchors, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(DrafterRunner, "__call__", oom)
+    with pytest.raises(DFlashCacheError, match=r"out of GPU memory at step 1 on a batch of \d+ tokens in \d+ sequences"):
+        train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+
+
+def test_run_json_records_the_run(tmp_path, cache):
+    train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+    identity = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert identity["options"]["steps"] == 1 and identity["world_size"] == 1
+    assert identity["drafter"]["target_layer_ids"] == [1, 3]
