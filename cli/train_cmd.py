@@ -1,8 +1,8 @@
 import click
+from dflash_cache_cli.options import INT_LIST
 
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.train import train
-from dflash_cache_cli.options import INT_LIST
 
 
 @click.command("train")

@@ -68,10 +68,10 @@ def test_reader_error_reaches_the_consumer_promptly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CacheSet, "read", read)
     start = time.monotonic()
-    with pytest.raises(ReaderError, match="sample 5: OSError: injected read failure"):
-        with Loader(caches, batches, "cpu", prefetch=8, workers=4) as loader:
-            for _ in loader:
-                pass
+    with pytest.raises(ReaderError, match="sample 5: OSError: injected read failure"), \
+            Loader(caches, batches, "cpu", prefetch=8, workers=4) as loader:
+        for _ in loader:
+            pass
     assert time.monotonic() - start < 2
 
 
@@ -82,9 +82,9 @@ def test_corrupt_row_names_the_sample(tmp_path):
     data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
     caches = CacheSet([root])
-    with pytest.raises(DFlashCacheError, match="reading sample"):
-        with Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
-            list(loader)
+    with pytest.raises(DFlashCacheError, match="reading sample"), \
+            Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
+        list(loader)
 
 
 def test_prefetch_bounds_the_batches_read_ahead(tmp_path, monkeypatch):
@@ -154,7 +154,7 @@ def test_held_out_split_is_stable_and_by_sample_id(tmp_path):
     chosen = [i for i in ids if is_held_out(i, 0.05)]
     assert 0.04 < len(chosen) / 20000 < 0.06
     assert chosen == [i for i in ids if is_held_out(i, 0.05)]
-    assert set(i for i in ids if is_held_out(i, 0.01)) <= set(chosen)  # a larger fraction keeps the smaller's
+    assert {i for i in ids if is_held_out(i, 0.01)} <= set(chosen)  # a larger fraction keeps the smaller's
     caches = CacheSet([cache_at(tmp_path / "c")])
     train, held = caches.split(0.3)
     assert sorted(train + held) == list(range(len(caches)))

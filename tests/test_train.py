@@ -70,7 +70,7 @@ def crash_at(monkeypatch, step: int):
 
 def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     # 16 samples, budget 128: 6 batches an epoch; 8 steps cross into epoch 1.
-    options = dict(steps=8, save_every=3, grad_accum=1)
+    options = {"steps": 8, "save_every": 3, "grad_accum": 1}
     train(tiny_config(tmp_path, cache, out="whole", **options), echo=lambda s: None)
     whole = losses(tmp_path / "whole")
     assert len(whole) == 8
@@ -109,7 +109,7 @@ def test_reader_failure_ends_the_run_promptly(tmp_path, cache, monkeypatch):
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
-    import dflash_cache.stream.loader as loader
+    from dflash_cache.stream import loader
 
     real = loader.to_device
 
@@ -147,3 +147,11 @@ def test_run_json_records_the_run(tmp_path, cache):
     identity = json.loads((tmp_path / "run" / "run.json").read_text())
     assert identity["options"]["steps"] == 1 and identity["world_size"] == 1
     assert identity["drafter"]["target_layer_ids"] == [1, 3]
+
+
+def test_under_torchrun_the_process_is_one_rank(tmp_path, cache, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train_module, "launch", None)  # nothing may be spawned
+    train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
+    assert len(losses(tmp_path / "run")) == 2

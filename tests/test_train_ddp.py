@@ -10,6 +10,7 @@ from dflash_cache.train.train import train
 from tests.test_train_helpers import losses, make_cache, tiny_config
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_losses_of_one_with_the_same_global_batch(tmp_path):
     cache = make_cache(tmp_path / "cache")
     train(tiny_config(tmp_path, cache, out="one", steps=3, grad_accum=2), echo=print)
@@ -18,6 +19,7 @@ def test_two_ranks_give_the_losses_of_one_with_the_same_global_batch(tmp_path):
     assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_every_rank(tmp_path):
     cache = make_cache(tmp_path / "cache", codec="bf16")
     shard = cache / open_cache(cache).shards[1].path

@@ -47,8 +47,9 @@ def tiny_config(tmp: Path, cache: Path, out: str = "run", **overrides) -> TrainC
     drafter = tmp / "drafter.json"
     if not drafter.exists():
         drafter_json(drafter)
-    values = dict(caches=[str(cache)], out=str(tmp / out), drafter=str(drafter), cpu_procs=1, token_budget=128,
-                  max_anchors=8, lr=3e-3, eval_fraction=0.0, save_every=1000, prefetch=2, workers=2)
+    values = {"caches": [str(cache)], "out": str(tmp / out), "drafter": str(drafter), "cpu_procs": 1,
+              "token_budget": 128, "max_anchors": 8, "lr": 3e-3, "eval_fraction": 0.0, "save_every": 1000,
+              "prefetch": 2, "workers": 2}
     return TrainConfig(**{**values, **overrides})
 
 

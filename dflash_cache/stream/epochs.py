@@ -61,7 +61,7 @@ class EpochPlan:
 
     def anchor_bound(self, epoch: int, block_size: int, max_anchors: int) -> int:
         """The most anchors any batch of `epoch` can get: a fixed anchor budget for the compiled drafter."""
-        fits = lambda n: min(max_anchors, max(0, n - block_size + 1))  # noqa: E731
+        fits = lambda n: min(max_anchors, max(0, n - block_size + 1))
         return max(sum(fits(self.lengths[k]) for k in b) for b in self.batches(epoch))
 
 

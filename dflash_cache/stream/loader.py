@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from typing_extensions import Self
 
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.planes import PLANE_LAYOUT, decompress_into
+
 
 class ReaderError(RuntimeError):
     """An unexpected failure while reading a row, raised in the training loop."""
@@ -50,9 +52,10 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBa
     lengths = [caches.lengths[k] for k in keys]
     n = sum(lengths)
     num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
-    new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)  # noqa: E731
-    cu = torch.zeros(len(keys) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
+    cu = new(len(keys) + 1, dtype=torch.int32)
+    cu[0] = 0
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=cu[1:])
     layers = len(caches.spec["layer_ids"])
     return HostBatch(
         keys=list(keys),
@@ -92,7 +95,7 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
 
 def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> FeatureBatch:
     """Copy (non-blocking from pinned memory) and decode on the current stream of `device`."""
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    move = lambda t: t.to(device, non_blocking=True)
     n = host.input_ids.shape[0]
     scales = None if host.scales is None else move(host.scales)
     return FeatureBatch(
@@ -190,7 +193,7 @@ class Loader:
         self._todo.clear()
         self._staged = None
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -53,7 +53,7 @@ class MetricsLog:
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_step]
             path.write_text("".join(line + "\n" for line in kept))
-        self.file = open(path, "a")
+        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
         self.tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR)
 
     def write(self, record: dict, line: str | None) -> None:

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.drafter.config import DrafterConfig, adapt_to_cache, load_drafter_config
+from dflash_cache.drafter.config import (
+    DrafterConfig,
+    adapt_to_cache,
+    load_drafter_config,
+)
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError

@@ -25,13 +25,33 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.stream.caches import CacheSet
-from dflash_cache.stream.epochs import EVAL, TRAIN, EpochPlan, batch_seed, held_out_batches
+from dflash_cache.stream.epochs import (
+    EVAL,
+    TRAIN,
+    EpochPlan,
+    batch_seed,
+    held_out_batches,
+)
 from dflash_cache.stream.loader import Loader
-from dflash_cache.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partial, rng_state,
-                                           save_checkpoint, set_rng_state)
+from dflash_cache.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.distributed import (Rank, all_gather_objects, all_reduce_sum, init_rank, launch,
-                                            plan_devices, shutdown, under_torchrun)
+from dflash_cache.train.distributed import (
+    Rank,
+    all_gather_objects,
+    all_reduce_sum,
+    init_rank,
+    launch,
+    plan_devices,
+    shutdown,
+    under_torchrun,
+)
 from dflash_cache.train.metrics import MetricsLog
 from dflash_cache.train.model import build_drafter, check_head, drafter_config_for
 from dflash_cache.train.optim import build_optimizer, build_scheduler
@@ -47,7 +67,7 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
     cfg.check()
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available() and not cfg.cpu_procs:
             device = f"cuda:{cfg.gpus[local] if cfg.gpus else local}"
         else:
