@@ -1,0 +1,63 @@
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative
+from dflash_cache.eval.speculative import DTYPES
+
+
+def progress(bar: tqdm):
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return update
+
+
+@click.command("eval")
+@click.option("--drafter", required=True, type=click.Path(path_type=Path),
+              help="A training checkpoint (RUN/checkpoints/step-N), a training run folder (its newest checkpoint), "
+                   "or an export (`dflash-cache export`).")
+@click.option("--target", type=click.Path(path_type=Path),
+              help="Target model directory: real speculative decoding on the prompts of --data.")
+@click.option("--data", multiple=True, type=click.Path(path_type=Path),
+              help="Held-out conversations (or pre-tokenized records): each one's prompt is everything before its "
+                   "first assistant turn. Repeatable.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--num-prompts", type=int, default=16, show_default=True, help="Prompts to decode (0: every one).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True,
+              help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
+@click.option("--cache", "caches", multiple=True, type=click.Path(path_type=Path),
+              help="Instead of --target: tau offline from this cache's hidden states, as training evaluates it.")
+@click.option("--eval-fraction", type=float, default=0.0, show_default=True,
+              help="With --cache: only the samples a training run with this --eval-fraction holds out (0: all).")
+@click.option("--token-budget", type=int, default=49152, show_default=True, help="With --cache: tokens per batch.")
+@click.option("--max-anchors", type=int, default=512, show_default=True, help="With --cache: most blocks per sequence.")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --cache: seed of the plan and anchors.")
+@click.option("--device", help="Device, e.g. cuda:1 or cpu. Default: cuda:0 when there is a GPU.")
+def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, eval_fraction, token_budget,
+            max_anchors, seed, device):
+    """Evaluate a drafter: speculative decoding with its target (--target, --data), or offline (--cache).
+
+    With --target every output is checked against the target's own greedy output; the command fails
+    if one differs. Reports tau (mean acceptance length), acceptance per draft position and tokens
+    per target forward.
+    """
+    if bool(target) == bool(caches):
+        raise click.UsageError("give either --target with --data (speculative decoding) or --cache (offline)")
+    if caches:
+        opts = OfflineOptions(drafter=drafter, caches=list(caches), eval_fraction=eval_fraction,
+                              token_budget=token_budget, max_anchors=max_anchors, seed=seed, device=device)
+        with tqdm(unit="batch", desc="eval", disable=None) as bar:
+            report = evaluate_offline(opts, progress(bar))
+    else:
+        if not data:
+            raise click.UsageError("--target needs --data with held-out prompts")
+        opts = SpeculativeOptions(drafter=drafter, target=target, data=list(data), max_new_tokens=max_new_tokens,
+                                  num_prompts=num_prompts or None, device=device, dtype=dtype)
+        with tqdm(unit="prompt", desc="eval", disable=None) as bar:
+            report = evaluate_speculative(opts, progress(bar))
+    click.echo(f"drafter {report.drafter}")
+    for line in report.lines():
+        click.echo(line)

@@ -1,0 +1,65 @@
+"""Load a drafter to evaluate from any of the folders that hold one.
+
+    RUN/checkpoints/step-N/   a training checkpoint: drafter.safetensors + drafter_config.json
+    RUN/                      a training run: its newest complete checkpoint
+    OUT/                      an export (`dflash-cache export`): config.json + model.safetensors
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_drafter_state
+from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+
+EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
+
+
+def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
+    """(config, weights, the folder they came from)."""
+    path = Path(path)
+    if (path / CHECKPOINT_DIR).is_dir() and not (path / WEIGHTS_FILE).is_file():
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise DFlashCacheError(f"{path} is a training run without a complete checkpoint yet.")
+        path = checkpoint
+    if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
+        config, state = load_drafter_state(path)
+        return config, state, path
+    if (path / EXPORT_WEIGHTS).is_file() and (path / EXPORT_CONFIG).is_file():
+        return load_drafter_config(path / EXPORT_CONFIG), load_file(path / EXPORT_WEIGHTS), path
+    raise DFlashCacheError(
+        f"{path} holds no drafter: pass a training checkpoint (RUN/checkpoints/step-N, with {WEIGHTS_FILE}), "
+        f"a training run folder, or an export (with {EXPORT_WEIGHTS} and {EXPORT_CONFIG})."
+    )
+
+
+def check_fits(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int, layer_ids: list[int] | None = None) -> None:
+    """The drafter must read this target: same hidden size and vocabulary, layers it has (or the cache holds)."""
+    problems = []
+    if config.hidden_size != hidden_size:
+        problems.append(f"hidden size {config.hidden_size} vs the target's {hidden_size}")
+    if config.vocab_size != vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} vs the target's {vocab_size}")
+    if max(config.target_layer_ids) >= num_layers:
+        problems.append(f"target layers {config.target_layer_ids} vs the target's {num_layers} layers")
+    if layer_ids is not None and list(layer_ids) != list(config.target_layer_ids):
+        problems.append(f"target layers {config.target_layer_ids} vs the cache's {list(layer_ids)}")
+    if problems:
+        raise DFlashCacheError("the drafter was not trained for this target: " + "; ".join(problems) + ".")
+
+
+def build_drafter(config: DrafterConfig, state: dict[str, torch.Tensor], head: TargetHead, device: torch.device | str,
+                  attention: str = "flex") -> DFlashDrafter:
+    """The drafter in fp32 on `device` (it runs under bf16 autocast, as in training), with `head`."""
+    model = DFlashDrafter(config, attention=attention)
+    model.load_state_dict({name: t.float() for name, t in state.items()})
+    model.head = head
+    return model.to(device).eval().requires_grad_(False)

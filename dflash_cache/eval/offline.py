@@ -1,0 +1,98 @@
+"""`evaluate_offline`: τ of a drafter from a cache's hidden states, with no target loaded.
+
+Exactly the trainer's held-out evaluation: the same batch plan (`held_out_batches` with the seed and
+token budget), the same anchors (seeded by plan position), the same forward under bf16 autocast, and
+τ as the training loss computes it: per block, 1 + the run of leading slots that predict the
+target's own next token. Unlike real speculative decoding the context is the data's text rather
+than the target's own output, and every block is scored on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.eval.drafters import build_drafter, check_fits, read_drafter
+from dflash_cache.eval.speculative import default_device
+from dflash_cache.stream.caches import CacheSet
+from dflash_cache.stream.epochs import EVAL, batch_seed, held_out_batches
+from dflash_cache.stream.loader import Loader
+
+
+@dataclass
+class OfflineOptions:
+    drafter: Path
+    caches: list[Path]
+    eval_fraction: float = 0.0  # 0: every sample; else the samples a run with this --eval-fraction holds out
+    token_budget: int = 49152
+    max_anchors: int = 512
+    seed: int = 0
+    gamma: float = 7.0
+    labels: str = "target"
+    device: str | None = None
+
+
+@dataclass
+class OfflineReport:
+    drafter: Path
+    samples: int
+    blocks: int
+    tau: float
+    accuracy: list[float]  # per slot 1 .. B-1: share of counted slots predicted right (teacher forced)
+    loss: float  # mean over batches, as the trainer logs eval_loss
+
+    def lines(self) -> list[str]:
+        return [
+            f"{self.samples} samples, {self.blocks} blocks: tau {self.tau:.3f}, loss {self.loss:.4f}",
+            "accuracy per block position 1..{}: {}".format(len(self.accuracy), " ".join(f"{a:.2f}" for a in self.accuracy)),
+        ]
+
+
+@torch.no_grad()
+def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] = lambda done, total: None) -> OfflineReport:
+    device = default_device(opts.device)
+    caches = CacheSet(opts.caches)
+    try:
+        spec = caches.spec
+        config, state, source = read_drafter(opts.drafter)
+        check_fits(config, spec["target"]["hidden_size"], spec["target"]["vocab_size"], spec["target"]["num_layers"],
+                   spec["layer_ids"])
+        head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
+        runner = DrafterRunner(build_drafter(config, state, head, device))
+        train_keys, held_keys = caches.split(opts.eval_fraction)
+        keys = held_keys if opts.eval_fraction > 0 else train_keys
+        if not keys:
+            raise DFlashCacheError(f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it.")
+        plan = held_out_batches(keys, caches.lengths, opts.token_budget, opts.seed, rank=0, world=1)
+        slots = config.block_size - 1
+        tau_sum, blocks, loss = 0.0, 0, 0.0
+        correct, total = torch.zeros(slots, dtype=torch.float64), torch.zeros(slots, dtype=torch.float64)
+        with Loader(caches, [batch for _, batch in plan], device) as loader:
+            for done, ((index, _), batch) in enumerate(zip(plan, loader), 1):
+                generator = torch.Generator(device).manual_seed(batch_seed(opts.seed, EVAL, 0, index))
+                anchors = sample_anchors(batch, config.block_size, opts.max_anchors, generator)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels)
+                tau_sum += float(out.tau * out.num_blocks)
+                blocks += int(out.num_blocks)
+                loss += float(out.loss)
+                correct += out.correct.double().cpu()
+                total += out.total.double().cpu()
+                on_batch(done, len(plan))
+    finally:
+        caches.close()
+    return OfflineReport(
+        drafter=source,
+        samples=len(keys),
+        blocks=blocks,
+        tau=tau_sum / max(blocks, 1),
+        accuracy=(correct / total.clamp_min(1)).tolist(),
+        loss=loss / max(len(plan), 1),
+    )

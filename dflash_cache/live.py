@@ -1,0 +1,147 @@
+"""`LiveSource`: the target running in-process as the source of training batches.
+
+It yields the very `FeatureBatch` the cache stream (`stream.loader.Loader`) yields for the same plan:
+same samples in the same order, packed the same way, with the target's hidden states of the same
+layers in bf16 and its argmax labels. So a run trains "live", as the coupled pipelines do, with every
+line after the source shared with training from a cache, and a cache run can be checked against it.
+
+Bit-for-bit equality with a cache needs the target to compute each sample the same way in both:
+a bf16 forward's rounding depends on the batch it runs in (its shape picks the kernels). The rule:
+by default LiveSource runs every sample alone, unpadded, as extraction does with `--token-budget 1`
+on the same device; so a `bf16-zstd` (lossless) cache extracted that way trains to identical losses.
+`forward_tokens` instead packs a batch's samples into padded forwards (faster on a GPU; equal to a
+cache only up to that rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_cache.batch import FeatureBatch
+from dflash_cache.data.dataset import Sample, load_samples
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.extract.info import read_target_info
+from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.spec import make_spec
+from dflash_cache.extract.target import Target, load_target, resolve_layer_ids
+from dflash_cache.stream.caches import is_held_out
+
+LIVE_CODEC = "live"  # the `codec` of a live source's spec: hidden states are never encoded
+
+
+def target_head(target: Target) -> TargetHead:
+    """The frozen pieces a drafter shares, in bf16 as extraction writes them to `CACHE/target/`."""
+    model = target.model
+    weights = (model.get_input_embeddings().weight, target.base.norm.weight, model.get_output_embeddings().weight)
+    return TargetHead(*(w.detach().to(torch.bfloat16) for w in weights))
+
+
+class LiveSource:
+    """Samples keyed as in a cache of the same data: key = sample id = the record's index.
+
+    Reading the target's config and tokenizing the data happen at construction; the weights load on
+    the first call that needs them (`head`, `batches`)."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        data: Sequence[str | Path],
+        layers: list[int] | None = None,
+        num_draft_layers: int | None = None,
+        device: str | torch.device = "cpu",
+        max_length: int = 8192,
+        forward_tokens: int | None = None,
+    ):
+        if forward_tokens is not None and forward_tokens < 1:
+            raise DFlashCacheError(f"forward_tokens must be positive (got {forward_tokens}).")
+        self.info = read_target_info(target)
+        self.layer_ids = resolve_layer_ids(self.info.num_layers, layers, num_draft_layers)
+        self.device = torch.device(device)
+        self.forward_tokens = forward_tokens
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.info.path, local_files_only=True)
+        loaded = load_samples(list(data), tokenizer, max_length)
+        self.samples: list[Sample] = loaded.samples
+        self.lengths: list[int] = [len(s.input_ids) for s in self.samples]
+        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, loaded.source_hash, max_length, topk=0)
+        self.width = len(self.layer_ids) * self.info.hidden_size
+        self._runner: TargetRunner | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def head_dir(self) -> Path:
+        """The target's own folder: its tokenizer files stand where a cache's `target/` has them."""
+        return self.info.path
+
+    def sample_id(self, key: int) -> int:
+        return self.samples[key].sample_id
+
+    def describe(self, key: int) -> str:
+        return f"sample {self.sample_id(key)}"
+
+    def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
+        """(train keys, held-out keys), chosen by sample id as for a cache."""
+        train, held_out = [], []
+        for key in range(len(self.samples)):
+            (held_out if is_held_out(self.sample_id(key), eval_fraction) else train).append(key)
+        return train, held_out
+
+    @property
+    def runner(self) -> TargetRunner:
+        if self._runner is None:
+            self._runner = TargetRunner(load_target(self.info.path, self.device), self.layer_ids)
+        return self._runner
+
+    def head(self, device: torch.device | str) -> TargetHead:
+        return target_head(self.runner.target).to(device)
+
+    def batches(self, plan: Sequence[Sequence[int]], device: torch.device | str) -> Iterator[FeatureBatch]:
+        """The FeatureBatch of every batch of keys in `plan`, in order, on `device`."""
+        for keys in plan:
+            yield self.batch(keys, device)
+
+    def batch(self, keys: Sequence[int], device: torch.device | str) -> FeatureBatch:
+        samples = [self.samples[k] for k in keys]
+        hidden, target_ids = [], []
+        for group in self._forwards(samples):
+            lengths = torch.tensor([len(s.input_ids) for s in group])
+            rows = [torch.from_numpy(s.input_ids.astype(np.int64)) for s in group]
+            out = self.runner.run(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device), lengths)
+            for b, n in enumerate(lengths.tolist()):
+                hidden.append(out.hidden[b, :n])
+                target_ids.append(out.target_ids[b, :n])
+        cu_seqlens = torch.zeros(len(samples) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int32).cumsum(0)
+        return FeatureBatch(
+            sample_ids=[s.sample_id for s in samples],
+            input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64)),
+            loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
+            target_ids=torch.cat(target_ids),
+            hidden=torch.cat(hidden),
+            cu_seqlens=cu_seqlens,
+        ).to(device)
+
+    def _forwards(self, samples: list[Sample]) -> Iterator[list[Sample]]:
+        """The samples of one target forward each: alone, or up to `forward_tokens` padded tokens."""
+        if self.forward_tokens is None:
+            yield from ([s] for s in samples)
+            return
+        group: list[Sample] = []
+        for sample in samples:
+            longest = max([len(s.input_ids) for s in group] + [len(sample.input_ids)])
+            if group and (len(group) + 1) * longest > self.forward_tokens:
+                yield group
+                group = []
+            group.append(sample)
+        yield group
+
+    def close(self) -> None:
+        self._runner = None
