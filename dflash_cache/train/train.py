@@ -175,7 +175,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
                     if log is not None:
                         log.step(step_record(stats, grad_norm, lr, now - tick, position, me, cfg.grad_accum))
                     step = position["step"]
-                    if held_out and (step % cfg.eval_every == 0 or step == total):
+                    if eval_keys and (step % cfg.eval_every == 0 or step == total):  # every rank, even one with no batch
                         result = evaluate(eval_runner, caches, held_out, cfg, me, config.block_size)
                         if log is not None:
                             log.eval({"step": step, **result})
