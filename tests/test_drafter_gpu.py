@@ -71,7 +71,7 @@ def test_compiled_mode_matches_eager_without_recompiling():
 
     model = gpu_drafter()
     eager = DrafterRunner(model)
-    compiled = DrafterRunner(model, compiled=True, token_budget=4096, anchor_budget=160, backend=counting_inductor)
+    compiled = DrafterRunner(model, compiled=True, token_budget=4096, anchor_budget=256, backend=counting_inductor)
     for lengths, seed in BATCHES:
         batch, anchors = gpu_batch(lengths, seed, max_anchors=8)
         want, got = eager(batch, anchors, gamma=4.0), compiled(batch, anchors, gamma=4.0)
