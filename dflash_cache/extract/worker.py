@@ -119,7 +119,7 @@ def _make_row(sample: Sample, copy: _HostCopy, start: int, stop: int, token_star
     faults.point("extract.compress")
     n = len(sample.input_ids)
     tokens = slice(token_start, token_start + n)
-    return Row(
+    row = Row(
         sample_id=sample.sample_id,
         input_ids=sample.input_ids,
         loss_mask=sample.loss_mask,
@@ -129,6 +129,8 @@ def _make_row(sample: Sample, copy: _HostCopy, start: int, stop: int, token_star
         topk_ids=None if copy.topk_ids is None else copy.topk_ids[tokens].numpy().astype(np.int32),
         topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[tokens].numpy(),
     )
+    row.record_batch  # noqa: B018 - build (and checksum) it here, in parallel, not on the writer thread
+    return row
 
 
 class _Writer(threading.Thread):

@@ -86,14 +86,22 @@ def _zstd(data) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 
-def compress(planes: np.ndarray, codec: str) -> bytes:
-    """Encoded planes (uint8, C-contiguous) -> the stored payload."""
+def compress(planes: np.ndarray, codec: str) -> np.ndarray:
+    """Encoded planes (uint8, C-contiguous) -> the stored payload, uint8.
+
+    Bulk copies go through numpy, which releases the GIL while copying; `bytes` concatenation would
+    hold it and stall the thread that drives the GPU.
+    """
     if codec == "bf16":
-        return planes.tobytes()
+        return planes.copy()
     if codec == "bf16-zstd":
         half = planes.shape[0] // 2
-        return _zstd(planes[:half]) + planes[half:].tobytes()
-    return _zstd(planes)
+        frame = _zstd(planes[:half])
+        out = np.empty(len(frame) + planes.shape[0] - half, dtype=np.uint8)
+        out[: len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+        out[len(frame) :] = planes[half:]
+        return out
+    return np.frombuffer(_zstd(planes), dtype=np.uint8)
 
 
 def _unzstd(data, size: int) -> bytes:

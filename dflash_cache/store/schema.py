@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +36,7 @@ class Row:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
     target_ids: np.ndarray  # int32 [T]
-    hidden: bytes
+    hidden: np.ndarray  # uint8 codec payload (any buffer works)
     hidden_scales: bytes | None = None
     topk_ids: np.ndarray | None = None  # int32 [T, K]
     topk_logprobs: np.ndarray | None = None  # float32 [T, K]
@@ -47,8 +48,12 @@ class Row:
     def checksum(self) -> int:
         return row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden, self.hidden_scales)
 
-    def to_record_batch(self) -> pa.RecordBatch:
+    @cached_property
+    def record_batch(self) -> pa.RecordBatch:
+        """The row as a one-row record batch (cached: extraction builds it on a compression thread)."""
         flat = lambda a: None if a is None else [a.reshape(-1)]  # noqa: E731
+        hidden = memoryview(self.hidden).cast("B")
+        offsets = pa.py_buffer(np.array([0, hidden.nbytes], dtype=np.int64))
         arrays = [
             pa.array([self.sample_id], pa.int64()),
             pa.array([self.num_tokens], pa.int32()),
@@ -57,7 +62,7 @@ class Row:
             pa.array([self.target_ids.astype(np.int32, copy=False)], pa.list_(pa.int32())),
             pa.array(flat(self.topk_ids) or [None], pa.list_(pa.int32())),
             pa.array(flat(self.topk_logprobs) or [None], pa.list_(pa.float32())),
-            pa.array([self.hidden], pa.large_binary()),
+            pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(hidden)]),  # no copy
             pa.array([self.hidden_scales], pa.binary()),
             pa.array([self.checksum()], pa.uint32()),
         ]

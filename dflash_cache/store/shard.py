@@ -101,7 +101,7 @@ class ShardWriter:
             sink = _HashingFile(tmp)
             self._open = (tmp, sink, pa.ipc.new_file(pa.PythonFile(sink, mode="w"), ROW_SCHEMA))
         _, sink, writer = self._open
-        writer.write_batch(row.to_record_batch())
+        writer.write_batch(row.record_batch)
         self._rows.append((row.sample_id, row.num_tokens))
         self._hidden_bytes += len(row.hidden) + len(row.hidden_scales or b"")
         if sink.size >= self.max_shard_bytes:
