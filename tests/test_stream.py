@@ -205,7 +205,7 @@ def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
 def test_decompress_into_matches_the_store(codec):
     from dflash_cache.store.codecs import compress, decompress, encode, encoded_size
-    from dflash_cache.stream.planes import PLANE_LAYOUT, decompress_into
+    from dflash_cache.store.codecs import PLANE_LAYOUT, decompress_into
 
     x = torch.randn(37, 3 * 16).bfloat16()
     payload = compress(encode(x, codec, 3).planes.numpy(), codec)

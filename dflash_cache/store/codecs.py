@@ -4,8 +4,8 @@ Encoding happens in two steps so that the arithmetic can run where the tensor li
 extraction) and only the byte compression runs on host threads:
 
     encode(hidden)  -> EncodedHidden (uint8 planes + optional fp8 scales), any device
-    compress(planes) -> bytes        zstd on the host; releases the GIL
-    decompress(bytes) -> planes     host; releases the GIL
+    compress(planes) -> payload      zstd on the host; releases the GIL
+    decompress(payload) -> planes   host (decompress_into: into a given buffer); releases the GIL
     decode(planes, scales) -> hidden bf16 [T, L*H], any device
 
 `bf16`      raw little-endian bf16 values.
@@ -104,25 +104,55 @@ def compress(planes: np.ndarray, codec: str) -> np.ndarray:
     return np.frombuffer(_zstd(planes), dtype=np.uint8)
 
 
-def _unzstd(data, size: int) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+# (planes, bytes per value in each plane) of each codec's encoded layout.
+PLANE_LAYOUT = {"bf16": (1, 2), "bf16-zstd": (2, 1), "fp8-zstd": (1, 1)}
 
 
-def decompress(data: bytes | memoryview, codec: str, size: int) -> np.ndarray:
-    """Compressed bytes -> uint8 planes of exactly `size` bytes."""
-    data = memoryview(data)
+def _unzstd_into(data: memoryview, out: np.ndarray, codec: str) -> None:
+    view = memoryview(out).cast("B")
+    filled = 0
     try:
-        if codec == "bf16":
-            raw = data
-        elif codec == "bf16-zstd":
-            half = size // 2
-            if len(data) < half:
-                raise DFlashCacheError(f"corrupt {codec} payload: {len(data)} bytes is too short")
-            raw = _unzstd(data[: len(data) - half], half) + data[len(data) - half :]
-        else:
-            raw = _unzstd(data, size)
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while filled < len(view):
+                got = reader.readinto(view[filled:])
+                if got == 0:
+                    break
+                filled += got
+            extra = len(reader.read(1))
     except zstandard.ZstdError as e:
         raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
-    if len(raw) != size:
-        raise DFlashCacheError(f"decoded payload has {len(raw)} bytes, expected {size}")
-    return np.frombuffer(raw, dtype=np.uint8)
+    if filled != len(view) or extra:
+        raise DFlashCacheError(f"corrupt {codec} payload: decodes to {'more' if extra else filled} bytes, expected {len(view)}")
+
+
+def _copy_into(data: memoryview, out: np.ndarray, codec: str) -> None:
+    if len(data) != out.size:
+        raise DFlashCacheError(f"corrupt {codec} payload: {len(data)} raw bytes, expected {out.size}")
+    np.copyto(out, np.frombuffer(data, dtype=np.uint8))
+
+
+def decompress_into(payload, codec: str, out: np.ndarray) -> None:
+    """Decompress a payload straight into `out`, uint8 [planes, bytes per plane] (PLANE_LAYOUT), each
+    plane contiguous. The GIL stays released throughout (zstd writes into `out`, numpy copies the raw
+    plane), so reader threads scale; joining planes into new bytes would hold it."""
+    payload = memoryview(payload).cast("B")
+    if codec == "bf16":
+        _copy_into(payload, out[0], codec)
+    elif codec == "bf16-zstd":
+        size = out.shape[1]
+        if len(payload) < size:
+            raise DFlashCacheError(f"corrupt {codec} payload: {len(payload)} bytes is too short")
+        _unzstd_into(payload[: len(payload) - size], out[0], codec)
+        _copy_into(payload[len(payload) - size :], out[1], codec)
+    elif codec == "fp8-zstd":
+        _unzstd_into(payload, out[0], codec)
+    else:
+        raise DFlashCacheError(f"unknown codec {codec!r}")
+
+
+def decompress(data, codec: str, size: int) -> np.ndarray:
+    """Payload -> uint8 planes of exactly `size` bytes."""
+    num_planes = PLANE_LAYOUT[codec][0]
+    out = np.empty((num_planes, size // num_planes), dtype=np.uint8)
+    decompress_into(data, codec, out)
+    return out.reshape(-1)

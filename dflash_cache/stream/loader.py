@@ -25,9 +25,8 @@ from typing_extensions import Self
 
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.codecs import decode
+from dflash_cache.store.codecs import PLANE_LAYOUT, decode, decompress_into
 from dflash_cache.stream.caches import CacheSet
-from dflash_cache.stream.planes import PLANE_LAYOUT, decompress_into
 
 
 class ReaderError(RuntimeError):
