@@ -22,7 +22,7 @@ from dflash_cache.train.train import train
 @click.option("--token-budget", type=int, default=49152, show_default=True,
               help="Tokens per batch on each GPU (packed, no padding in eager mode).")
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak AdamW learning rate.")
-@click.option("--warmup", type=int, help="Linear warmup steps before the cosine decay. Default: 4%% of the run.")
+@click.option("--warmup", type=int, help="Linear warmup steps before the cosine decay. Default: 4% of the run.")
 @click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="The cosine ends at lr times this.")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay (matrices only).")
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Clip the gradient norm to this.")
