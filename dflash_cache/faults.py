@@ -1,7 +1,8 @@
 """Named fault-injection points for the crash tests.
 
 `DFLASH_CACHE_KILL_AT=NAME:N` makes the process SIGKILL itself the N-th time it passes point NAME
-(N defaults to 1). Unset, `point()` is one dictionary lookup.
+(N defaults to 1); `NAME:N:STOP` sends SIGSTOP instead, freezing the process where it stands (a
+test then sees what it holds, and SIGCONT lets it go on). Unset, `point()` is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ def point(name: str) -> None:
     spec = os.environ.get("DFLASH_CACHE_KILL_AT")
     if not spec:
         return
-    target, _, nth = spec.partition(":")
+    target, _, rest = spec.partition(":")
     if target != name:
         return
+    nth, _, action = rest.partition(":")
     _counts[name] = _counts.get(name, 0) + 1
     if _counts[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if action == "STOP" else signal.SIGKILL)

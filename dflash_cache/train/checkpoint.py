@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.shard import fsync_dir
@@ -65,6 +66,7 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     save_drafter(drafter, tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "position": position, "rng": rng_states}, tmp / TRAIN_STATE)
+    faults.point("checkpoint.write")
     (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _fsync_tree(tmp)
     final = root / f"step-{step}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from dflash_cache import faults
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.runner import DrafterRunner
@@ -174,6 +175,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
                     now = time.perf_counter()
                     if log is not None:
                         log.step(step_record(stats, grad_norm, lr, now - tick, position, me, cfg.grad_accum))
+                    faults.point("train.step")
                     step = position["step"]
                     if eval_keys and (step % cfg.eval_every == 0 or step == total):  # every rank, even one with no batch
                         result = evaluate(eval_runner, caches, held_out, cfg, me, config.block_size)

@@ -1,0 +1,53 @@
+"""SIGKILL of a real `dflash-cache train` process between checkpoints and while one is written:
+`--resume` continues from the last complete checkpoint, never a half-written one, and the losses
+equal those of an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
+from dflash_cache_cli.main import main
+from tests.test_train_helpers import drafter_json, losses, make_cache, metrics
+
+STEPS, SAVE_EVERY = 6, 2
+
+
+def train_args(cache, drafter, out, *extra):
+    return ["train", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS, "--save-every", SAVE_EVERY,
+            "--token-budget", 128, "--max-anchors", 8, "--eval-fraction", 0, "--workers", 2, *extra]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_faults")
+    cache, drafter = make_cache(root / "cache"), drafter_json(root / "drafter.json")
+    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, root / "whole")])
+    assert result.exit_code == 0, result.output
+    return cache, drafter, losses(root / "whole")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at, resumed_from", [("train.step:5", 4), ("checkpoint.write:2", 2)])
+def test_sigkill_then_resume_equals_uninterrupted(setup, tmp_path, kill_at, resumed_from):
+    cache, drafter, whole = setup
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, train_args(cache, drafter, run))],
+                          env={**os.environ, "DFLASH_CACHE_KILL_AT": kill_at}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert latest_checkpoint(run).name == f"step-{resumed_from}"
+    half_written = run / "checkpoints" / ".step-4.tmp"
+    if kill_at.startswith("checkpoint"):  # killed between the training state and complete.json
+        assert (half_written / "train_state.pt").is_file() and not (half_written / COMPLETE).exists()
+    assert len(losses(run)) == (5 if kill_at.startswith("train") else 4)  # steps logged after the checkpoint
+
+    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])
+    assert result.exit_code == 0, result.output
+    assert f"resuming from {run / 'checkpoints' / f'step-{resumed_from}'}" in result.output
+    assert losses(run) == whole  # bit for bit, and metrics.jsonl reads as one run
+    assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
+    assert not half_written.exists() and latest_checkpoint(run).name == f"step-{STEPS}"
