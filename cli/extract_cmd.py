@@ -12,7 +12,7 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--target", required=True, type=click.Path(path_type=Path), help="Hugging Face model directory of the target (loaded in bf16).")
 @click.option("--data", required=True, multiple=True, type=click.Path(path_type=Path),
               help="Conversations JSONL ({'messages': [...]} or ShareGPT {'conversations': [...]}), or pre-tokenized Parquet/Arrow/JSONL with input_ids (and loss_mask). Repeatable.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Cache directory to create, or to resume.")
+@click.option("--out", required=True, help="Cache directory to create, or to resume; or an fsspec URL (s3://bucket/prefix, gs://...).")
 @click.option("--layers", type=INT_LIST, help="Target layer indices to capture, e.g. 1,16,31,46,61 (0-based; layer i's output).")
 @click.option("--num-draft-layers", type=int, help="Capture N layers spread evenly from 1 to num_layers-3 (the reference DFlash rule). Default 5 when --layers is not given.")
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.")
@@ -22,8 +22,9 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--topk", type=int, default=0, show_default=True, help="Also store the target's top-K ids and log-probs per position.")
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
+@click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
 @click.option("--tokenize-workers", type=int, default=0, help="Processes for tokenizing conversations (0: in the main process).")
-def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, tokenize_workers):
+def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -35,7 +36,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     opts = ExtractOptions(
         target=target, data=list(data), out=out, layers=layers, num_draft_layers=num_draft_layers, codec=codec,
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
-        max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers,
+        max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
     )
     bar = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk

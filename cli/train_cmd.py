@@ -7,8 +7,8 @@ from dflash_cache.train.train import train
 
 @click.command("train")
 @click.option("--cache", "caches", required=True, multiple=True, type=click.Path(),
-              help="Cache directory written by `extract`. Repeat to train on the union of several caches "
-                   "(same target, layers, codec and tokenizer).")
+              help="Cache directory written by `extract`, or its fsspec URL (s3://bucket/prefix). Repeat to train "
+                   "on the union of several caches (same target, layers, codec and tokenizer).")
 @click.option("--out", required=True, type=click.Path(),
               help="Run directory: metrics.jsonl, TensorBoard files in tb/, checkpoints/step-N/. Must be new or "
                    "empty, unless --resume.")
@@ -49,9 +49,14 @@ from dflash_cache.train.train import train
               help="Skip a step whose loss is NaN/Inf (counted in the metrics) instead of stopping.")
 @click.option("--collective-timeout", type=float, default=600.0, show_default=True,
               help="Seconds a rank may wait in a collective before the run is stopped as hung.")
+@click.option("--local-cache", type=click.Path(),
+              help="With a remote --cache: fetch whole shards into this folder and read them there (default: read "
+                   "each sample by byte ranges).")
+@click.option("--local-cache-size", type=float,
+              help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
 def command(caches, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
             grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, log_every, resume,
-            seed, prefetch, workers, skip_nonfinite, collective_timeout):
+            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
@@ -63,7 +68,8 @@ def command(caches, out, drafter, gpus, epochs, steps, token_budget, lr, warmup,
         grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, gamma=gamma, labels=labels,
         compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
-        skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout,
+        skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,
+        local_cache_bytes=None if local_cache_size is None else int(local_cache_size * (1 << 30)),
     )
     train(config, echo=click.echo)
     click.echo(f"done: {out}")

@@ -4,6 +4,9 @@ Batches are planned once over the whole dataset, deterministically from the data
 to rank i mod world. A sample is therefore always computed in the same batch, padded the same way,
 whatever the number of processes: a resumed run, with the same or another process count, stores
 the very same tensors as an uninterrupted one.
+
+`--out` may be an fsspec URL (s3://bucket/prefix): shards are then written to a local staging folder
+and uploaded as they are committed (store/staging.py); the remote journals decide what is done.
 """
 
 from __future__ import annotations
@@ -29,15 +32,19 @@ from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.store.codecs import check_codec
-from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest
-from dflash_cache.store.shard import SHARD_DIR, TMP_SUFFIX
+from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest, write_remote_manifest
+from dflash_cache.store.remote import RemoteDir, is_remote, local_path
+from dflash_cache.store.shard import SHARD_DIR, TMP_SUFFIX, ShardRecord
+from dflash_cache.store.staging import Uploader, default_staging
+
+HEAD = "target/head.safetensors"
 
 
 @dataclass
 class ExtractOptions:
     target: Path
     data: list[Path]
-    out: Path
+    out: Path | str  # a folder, or an fsspec URL (s3://bucket/prefix) written through `staging`
     layers: list[int] | None = None
     num_draft_layers: int | None = None
     codec: str = "bf16-zstd"
@@ -49,6 +56,7 @@ class ExtractOptions:
     max_shard_bytes: int = 512 << 20
     compress_threads: int | None = None
     tokenize_workers: int = 0
+    staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
 
 
 @dataclass
@@ -98,6 +106,10 @@ def _check_options(opts: ExtractOptions) -> None:
             raise DFlashCacheError(f"data file {path} does not exist")
 
 
+def _exists(store: Path | RemoteDir, rel: str) -> bool:
+    return store.exists(rel) if isinstance(store, RemoteDir) else (store / rel).exists()
+
+
 def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None) -> None:
     """Delete shard files no journal lists (a crash between write and journal); `ranks` None: all."""
     for path in (root / SHARD_DIR).glob("r*-*.arrow*"):
@@ -108,8 +120,10 @@ def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None
             path.unlink()
 
 
-def _next_shard_index(root: Path, rank: int) -> int:
-    used = [int(p.name.split("-")[1].split(".")[0]) for p in (root / SHARD_DIR).glob(f"r{rank}-*.arrow*")]
+def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
+    """After the committed shards of `rank` (read from the journals: a remote rank's shards are not local)."""
+    used = [int(name[len(f"r{rank}-") : -len(".arrow")]) for name in (s.path.split("/")[-1] for s in shards)
+            if name.startswith(f"r{rank}-")]
     return max(used, default=-1) + 1
 
 
@@ -128,9 +142,11 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         rank, world, local = dist
         devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
         rank_ids = [rank]
-    root = Path(opts.out)
+    remote = RemoteDir(str(opts.out)) if is_remote(opts.out) else None
+    root = (Path(opts.staging) if opts.staging else default_staging(remote.url)) if remote else local_path(opts.out)
+    store = remote or root  # where the journals and the manifest live
     if root.exists() and not root.is_dir():
-        raise DFlashCacheError(f"--out {root} exists and is not a directory")
+        raise DFlashCacheError(f"{'--staging' if remote else '--out'} {root} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     locks = [CacheLock(root, "main" if dist is None else f"r{rank_ids[0]}").acquire()]
     try:
@@ -139,14 +155,19 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         if not data.samples:
             raise DFlashCacheError("the data files hold no samples")
         spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk)
-        state = read_journals(root)
+        state = read_journals(store)
         if state.spec is not None and state.spec != spec:
             diffs = "; ".join(spec_differences(state.spec, spec))
-            raise DFlashCacheError(f"{root} holds a cache made with other settings ({diffs}); use another --out")
-        if (root / MANIFEST).exists() and state.spec is None:
-            raise DFlashCacheError(f"{root} has a manifest but no journals; it was not written by extract, use another --out")
+            raise DFlashCacheError(f"{store} holds a cache made with other settings ({diffs}); use another --out")
+        if _exists(store, MANIFEST) and state.spec is None:
+            raise DFlashCacheError(f"{store} has a manifest but no journals; it was not written by extract, use another --out")
+        if remote is not None:
+            for rank in rank_ids:
+                Uploader(remote, root, rank).reconcile(spec)
+            state = read_journals(remote)
+        else:
+            _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
         done = state.done_sample_ids()
-        _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
         all_ids = [s.sample_id for s in data.samples]
         batches = plan_batches(all_ids, data.lengths(), opts.token_budget, seed=None)
         by_id = {s.sample_id: s for s in data.samples}
@@ -161,13 +182,14 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                     root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, batches=mine,
                     samples={sid: by_id[sid] for batch in mine for sid in batch},
                     done={sid for batch in mine for sid in batch if sid in done},
-                    first_shard_index=_next_shard_index(root, rank), on_bad_sample=opts.on_bad_sample,
+                    first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
-                    write_target_files=rank == 0 and not (root / "target" / "head.safetensors").exists(),
+                    write_target_files=rank == 0 and not _exists(store, HEAD),
+                    uploader=None if remote is None else Uploader(remote, root, rank),
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(root, all_ids, data.num_truncated)
+        manifest = _finalise(store, all_ids, data.num_truncated)
     finally:
         for lock in locks:
             lock.release()
@@ -184,15 +206,18 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     )
 
 
-def _finalise(root: Path, all_ids: list[int], truncated: int) -> dict | None:
-    """Write the manifest once the journals cover every sample (under torchrun, the last rank to
-    finish does it; two ranks doing it at once write the same bytes)."""
-    state = read_journals(root)
+def _finalise(store: Path | RemoteDir, all_ids: list[int], truncated: int) -> dict | None:
+    """Write the manifest once the journals cover every sample and the target head is there (under
+    torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes)."""
+    state = read_journals(store)
     missing = set(all_ids) - state.done_sample_ids()
-    if missing:
+    if missing or not _exists(store, HEAD):
         return None
     manifest = build_manifest(state, {"extract": {"truncated": truncated}})
-    write_manifest(root, manifest)
+    if isinstance(store, RemoteDir):
+        write_remote_manifest(store, manifest)
+    else:
+        write_manifest(store, manifest)
     return manifest
 
 

@@ -27,11 +27,12 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.checks import check_sample
 from dflash_cache.extract.head import save_target_files
 from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.split import Part, run_with_split
+from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
 from dflash_cache.store.codecs import compress, encode
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
+from dflash_cache.store.staging import Uploader
 
 
 @dataclass
@@ -50,6 +51,7 @@ class RankJob:
     compress_threads: int = 4
     queue_depth: int = 8
     write_target_files: bool = False
+    uploader: Uploader | None = None  # extraction to a remote cache: `root` is the staging folder
 
 
 @dataclass
@@ -150,6 +152,10 @@ class _Writer(threading.Thread):
             try:
                 for future in item:
                     self._write(future.result())
+            except OSError as e:  # a full disk or a file-size limit: the shard being written is dropped
+                self.error = DFlashCacheError(f"writing to {self.writer.root} failed: {e.strerror or e}; free space "
+                                              "(or raise the file-size limit) and rerun the same command to resume")
+                self.writer.abort()
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.error = e
                 self.writer.abort()
@@ -194,27 +200,38 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
     if job.write_target_files:
         save_target_files(target, job.root / "target")
+        if job.uploader is not None:
+            job.uploader.upload_target()
     layer_ids = job.spec["layer_ids"]
     codec = job.spec["codec"]
     runner = TargetRunner(target, layer_ids, topk=job.spec["topk"])
-    writer = _Writer(ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes), report, job.rank, job.queue_depth)
+    shards = ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes,
+                         on_journal=job.uploader or (lambda shard_path: None))
+    writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
     pool = ThreadPoolExecutor(job.compress_threads, thread_name_prefix=f"compress-r{job.rank}")
     started = time.perf_counter()
     wait_s = 0.0
     try:
         for batch in job.batches:
-            if all(sid in job.done for sid in batch):
-                continue
-            samples = [job.samples[sid] for sid in batch]
-            input_ids, lengths = _padded(samples, job.device)
-            faults.point("extract.forward")
-            for part in run_with_split(runner, input_ids, lengths, batch):
-                futures = _encode_part(part, job, pool, codec, layer_ids)
-                if futures:
-                    waited = writer.put(futures)
-                    wait_s += waited
-                    report(Progress(job.rank, wait_s=waited))
+            pending = list(batch)
+            while pending and not all(sid in job.done for sid in pending):
+                input_ids, lengths = _padded([job.samples[sid] for sid in pending], job.device)
+                faults.point("extract.forward")
+                try:
+                    for part in run_with_split(runner, input_ids, lengths, pending):
+                        futures = _encode_part(part, job, pool, codec, layer_ids)
+                        if futures:
+                            waited = writer.put(futures)
+                            wait_s += waited
+                            report(Progress(job.rank, wait_s=waited))
+                    pending = []
+                except SampleOutOfMemory as e:
+                    if job.on_bad_sample == "error":
+                        raise
+                    # Parts come in sample order: the ones before this sample are written.
+                    writer.put([_done(_Skip(e.sample_id, str(e)))])
+                    pending = pending[pending.index(e.sample_id) + 1 :]
         writer.finish()
     except BaseException:
         writer.error = writer.error or RuntimeError("extraction stopped")
@@ -226,6 +243,12 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     summary.compute_s = time.perf_counter() - started
     summary.wait_s = wait_s
     return summary
+
+
+def _done(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _encode_part(part: Part, job: RankJob, pool: ThreadPoolExecutor, codec: str, layer_ids: list[int]) -> list[Future]:
@@ -244,9 +267,7 @@ def _encode_part(part: Part, job: RankJob, pool: ThreadPoolExecutor, codec: str,
         if problem is not None:
             if job.on_bad_sample == "error":
                 raise DFlashCacheError(f"sample {sid}: {problem}; rerun with --on-bad-sample skip to leave such samples out")
-            done = Future()
-            done.set_result(_Skip(sid, problem))
-            futures.append(done)
+            futures.append(_done(_Skip(sid, problem)))
             continue
         encoded = encode(hidden, codec, len(layer_ids))
         kept.append((job.samples[sid], encoded.planes.numel()))

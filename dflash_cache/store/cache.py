@@ -1,8 +1,18 @@
-"""Reading a finished cache: `open_cache(path)` and random access by sample id."""
+"""Reading a finished cache: `open_cache(path)` and random access by sample id.
+
+The cache may be a local folder or an fsspec URL (`s3://bucket/prefix`). A remote shard is read by
+byte ranges (its footer once, then one record batch per row), or, given `local_dir`, fetched whole
+into that folder (bounded by `local_bytes`) and read from there.
+"""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +21,12 @@ import torch
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode, decompress, encoded_size
-from dflash_cache.store.manifest import read_manifest
+from dflash_cache.store.fetch import ShardFetcher
+from dflash_cache.store.manifest import read_manifest, read_remote_manifest
+from dflash_cache.store.remote import RangeFile, RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import ShardReader, ShardRecord, StoredRow
+
+TARGET_DIR = "target"
 
 
 @dataclass
@@ -29,9 +43,10 @@ class CachedSample:
 class Cache:
     """A complete cache. Opening reads only the manifest; rows are read one record batch at a time."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.manifest = read_manifest(self.root)
+    def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None):
+        self.remote = RemoteDir(str(root)) if is_remote(root) else None
+        self.root: Path | str = self.remote.url if self.remote else local_path(root)
+        self.manifest = read_remote_manifest(self.remote) if self.remote else read_manifest(self.root)
         self.spec: dict = self.manifest["spec"]
         self.shards: list[ShardRecord] = self.manifest["shards"]
         self.codec: str = self.spec["codec"]
@@ -46,6 +61,10 @@ class Cache:
                 self._lengths[sid] = n
         self._readers: dict[int, ShardReader] = {}
         self._lock = threading.Lock()
+        self._fetcher = None
+        if self.remote is not None and local_dir is not None:
+            self._fetcher = ShardFetcher(self.remote, local_dir, local_bytes, on_evict=self._forget)
+        self._target_dir: Path | None = None
 
     def __len__(self) -> int:
         return len(self._where)
@@ -60,15 +79,71 @@ class Cache:
         """Tokens per sample id, from the manifest alone."""
         return self._lengths
 
+    def shard_name(self, shard_index: int) -> str:
+        """The shard's path or URL, for messages."""
+        return f"{self.root}/{self.shards[shard_index].path}"
+
+    def _open_shard(self, shard_index: int) -> ShardReader:
+        shard = self.shards[shard_index]
+        if self.remote is None:
+            path = self.root / shard.path
+            if not path.is_file():
+                raise DFlashCacheError(f"{path}: shard listed in the manifest is missing")
+            return ShardReader(path)
+        try:
+            if self._fetcher is not None:
+                return self._fetcher.open(shard)
+            return ShardReader(self.shard_name(shard_index), RangeFile(self.remote, shard.path, shard.bytes))
+        except FileNotFoundError:
+            raise DFlashCacheError(f"{self.shard_name(shard_index)}: shard listed in the manifest is missing") from None
+
     def _reader(self, shard_index: int) -> ShardReader:
         with self._lock:
             reader = self._readers.get(shard_index)
-            if reader is None:
-                path = self.root / self.shards[shard_index].path
-                if not path.is_file():
-                    raise DFlashCacheError(f"{path}: shard listed in the manifest is missing")
-                reader = self._readers[shard_index] = ShardReader(path)
-            return reader
+        if reader is None:  # opened outside the lock: a remote shard may take a while to fetch
+            reader = self._open_shard(shard_index)
+            with self._lock:
+                reader = self._readers.setdefault(shard_index, reader)
+        return reader
+
+    def _forget(self, shard_path: str) -> None:
+        """Drop the reader of a shard the local folder evicted (not closed: a thread may be reading it)."""
+        with self._lock:
+            for s in [s for s in self._readers if self.shards[s].path == shard_path]:
+                del self._readers[s]
+
+    @contextmanager
+    def local_copy(self, shard_index: int) -> Iterator[Path]:
+        """A local file of the whole shard: the shard itself, or a temporary download of a remote one."""
+        if self.remote is None:
+            yield self.root / self.shards[shard_index].path
+            return
+        with tempfile.TemporaryDirectory(prefix="dflash-cache-shard-") as tmp:
+            local = Path(tmp) / "shard.arrow"
+            try:
+                self.remote.download(self.shards[shard_index].path, local)
+            except FileNotFoundError:
+                raise DFlashCacheError(f"{self.shard_name(shard_index)}: shard listed in the manifest is missing") from None
+            yield local
+
+    def target_dir(self) -> Path:
+        """A local folder holding the cache's target/ files (downloaded once from a remote cache)."""
+        if self.remote is None:
+            return self.root / TARGET_DIR
+        if self._target_dir is None:
+            if self._fetcher is not None:
+                folder = self._fetcher.root / TARGET_DIR
+                folder.mkdir(exist_ok=True)
+            else:
+                folder = Path(tempfile.mkdtemp(prefix="dflash-cache-target-"))
+                weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
+            for name in self.remote.list(TARGET_DIR):
+                rel = f"{TARGET_DIR}/{name}"
+                local = folder / name
+                if not (local.is_file() and local.stat().st_size == self.remote.size(rel)):
+                    self.remote.download(rel, local)
+            self._target_dir = folder
+        return self._target_dir
 
     def read_stored(self, sample_id: int) -> StoredRow:
         """The row as stored (compressed), checksum verified. Safe to call from several threads."""
@@ -76,7 +151,7 @@ class Cache:
             raise KeyError(sample_id)
         s, r = self._where[sample_id]
         row = self._reader(s).row(r)
-        path = self.root / self.shards[s].path
+        path = self.shard_name(s)
         if row.sample_id != sample_id:
             raise DFlashCacheError(f"{path}: row {r} holds sample {row.sample_id}, the manifest says {sample_id}")
         if not row.check():
@@ -115,5 +190,6 @@ class Cache:
             self._readers.clear()
 
 
-def open_cache(path: str | Path) -> Cache:
-    return Cache(path)
+def open_cache(path: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None) -> Cache:
+    """A cache at a local path, a `file://` URL or any fsspec URL (`s3://bucket/prefix`, `gs://...`)."""
+    return Cache(path, local_dir, local_bytes)

@@ -14,7 +14,8 @@ from pathlib import Path
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
-from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, read_journal
+from dflash_cache.store.remote import RemoteDir
+from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, parse_journal, read_journal
 
 MANIFEST = "manifest.json"
 
@@ -34,10 +35,19 @@ class JournalState:
         return done
 
 
-def read_journals(root: Path) -> JournalState:
+def _journals(root: Path | RemoteDir) -> list[tuple[str, list[dict]]]:
+    """(where, entries) of every rank's journal, in name order."""
+    if isinstance(root, RemoteDir):
+        names = [n for n in root.list(JOURNAL_DIR) if n.startswith("r") and n.endswith(".jsonl")]
+        paths = [f"{JOURNAL_DIR}/{n}" for n in names]
+        return [(root.url_of(p), parse_journal(root.read_bytes(p).decode(), root.url_of(p))) for p in paths]
+    return [(str(p), read_journal(p)) for p in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl"))]
+
+
+def read_journals(root: Path | RemoteDir) -> JournalState:
     spec, shards, skipped = None, {}, {}
-    for path in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl")):
-        for entry in read_journal(path):
+    for path, entries in _journals(root):
+        for entry in entries:
             if "spec" in entry:
                 if spec is not None and entry["spec"] != spec:
                     raise DFlashCacheError(f"{path}: spec differs from the other journals")
@@ -96,15 +106,40 @@ def write_manifest(root: Path, manifest: dict) -> Path:
     return path
 
 
+INCOMPLETE = "missing; the cache is incomplete (rerun the same extract command to finish it)"
+
+
+def write_remote_manifest(remote: RemoteDir, manifest: dict) -> None:
+    """The same bytes as `write_manifest`, as one object (whole or absent)."""
+    faults.point("manifest.write")
+    remote.write_bytes(MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
+
+
 def read_manifest(root: Path) -> dict:
     path = Path(root) / MANIFEST
     if not Path(root).is_dir():
         raise DFlashCacheError(f"{root}: no such cache directory")
     if not path.is_file():
-        raise DFlashCacheError(f"{path}: missing; the cache is incomplete (rerun the same extract command to finish it)")
+        raise DFlashCacheError(f"{path}: {INCOMPLETE}")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DFlashCacheError(f"{path}: unreadable manifest ({e})") from None
+    return parse_manifest(data, str(path))
+
+
+def read_remote_manifest(remote: RemoteDir) -> dict:
+    try:
+        data = remote.read_bytes(MANIFEST)
+    except FileNotFoundError:
+        raise DFlashCacheError(f"{remote.url_of(MANIFEST)}: {INCOMPLETE}") from None
+    return parse_manifest(data, remote.url_of(MANIFEST))
+
+
+def parse_manifest(data: bytes, path: str) -> dict:
+    try:
+        manifest = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DFlashCacheError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise DFlashCacheError(f"{path}: not a dflash-cache manifest")

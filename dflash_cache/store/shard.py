@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,13 +79,19 @@ def fsync_dir(path: Path) -> None:
 
 
 class ShardWriter:
-    """Appends rows to the current shard of one rank; starts a new shard past `max_shard_bytes`."""
+    """Appends rows to the current shard of one rank; starts a new shard past `max_shard_bytes`.
 
-    def __init__(self, root: Path, rank: int, spec: dict, first_index: int = 0, max_shard_bytes: int = 512 << 20):
+    `on_journal(shard_path | None)` is called after each journal line is durable, with the path of
+    the shard it committed (None for a skipped sample): extraction to a remote cache uploads there.
+    """
+
+    def __init__(self, root: Path, rank: int, spec: dict, first_index: int = 0, max_shard_bytes: int = 512 << 20,
+                 on_journal: Callable[[str | None], None] = lambda shard_path: None):
         self.root = Path(root)
         self.rank = rank
         self.next_index = first_index
         self.max_shard_bytes = max_shard_bytes
+        self.on_journal = on_journal
         (self.root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         (self.root / JOURNAL_DIR).mkdir(parents=True, exist_ok=True)
         self.journal_path = self.root / JOURNAL_DIR / f"r{rank}.jsonl"
@@ -134,11 +141,13 @@ class ShardWriter:
         faults.point("shard.committed")
         self._open, self._rows, self._hidden_bytes = None, [], 0
         self.next_index += 1
+        self.on_journal(record.path)
         return record
 
     def skip(self, sample_id: int, reason: str) -> None:
         """Record a sample that will never be stored (a bad sample under --on-bad-sample skip)."""
         append_journal(self.journal_path, {"skipped": {"sample_id": sample_id, "reason": reason}})
+        self.on_journal(None)
 
     def abort(self) -> None:
         """Drop the shard being written (after an error); nothing of it is ever listed."""
@@ -162,8 +171,12 @@ def append_journal(path: Path, entry: dict) -> None:
 
 
 def read_journal(path: Path) -> list[dict]:
+    return parse_journal(Path(path).read_text(), str(path))
+
+
+def parse_journal(text: str, where: str) -> list[dict]:
     """Journal entries; a torn last line (a crash mid-write) is ignored, a torn middle line is an error."""
-    lines = Path(path).read_text().split("\n")
+    lines = text.split("\n")
     entries = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -173,7 +186,7 @@ def read_journal(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i >= len(lines) - 2:  # the last line, possibly without its newline
                 break
-            raise DFlashCacheError(f"{path}:{i + 1}: corrupt journal line") from None
+            raise DFlashCacheError(f"{where}:{i + 1}: corrupt journal line") from None
     return entries
 
 
@@ -203,13 +216,16 @@ def _list_values(column: pa.ListArray, dtype) -> np.ndarray | None:
 
 
 class ShardReader:
-    """Random access to the rows of one shard file without reading the whole file."""
+    """Random access to the rows of one shard file without reading the whole file: memory-mapped, or
+    through `source` (a file-like object of a remote shard, read by byte ranges)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    def __init__(self, path: Path | str, source=None):
+        self.path = path
         try:
-            self._source = pa.memory_map(str(self.path), "r")
+            self._source = pa.memory_map(str(path), "r") if source is None else pa.PythonFile(source, mode="r")
             self._reader = pa.ipc.open_file(self._source)
+        except FileNotFoundError:
+            raise  # the caller names the missing shard
         except (OSError, pa.ArrowInvalid) as e:
             raise DFlashCacheError(f"{self.path}: cannot open shard ({e})") from None
         if not self._reader.schema.equals(ROW_SCHEMA):

@@ -43,10 +43,11 @@ def is_held_out(sample_id: int, fraction: float) -> bool:
 class CacheSet:
     """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
 
-    def __init__(self, paths: list[str | Path]):
+    def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None):
+        """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache)."""
         if not paths:
             raise DFlashCacheError("no cache given: pass --cache CACHE")
-        self.caches: list[Cache] = [open_cache(p) for p in paths]
+        self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes) for p in paths]
         first = self.caches[0]
         for cache in self.caches[1:]:
             diff = differences(first.spec, cache.spec, FREE_SPEC_FIELDS)
@@ -83,7 +84,7 @@ class CacheSet:
     @property
     def head_dir(self) -> Path:
         """The `target/` folder with head.safetensors (the same target for every cache of the set)."""
-        return self.caches[0].root / "target"
+        return self.caches[0].target_dir()
 
     def sample_id(self, key: int) -> int:
         return self.entries[key][1]

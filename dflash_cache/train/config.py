@@ -9,7 +9,7 @@ from dflash_cache.errors import DFlashCacheError
 
 @dataclass
 class TrainConfig:
-    caches: list[str]
+    caches: list[str]  # folders or fsspec URLs (s3://bucket/prefix)
     out: str
     drafter: str = "qwen3.6-27b"  # a preset name or a JSON file of drafter config fields
     gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
@@ -38,6 +38,8 @@ class TrainConfig:
     workers: int = 8  # reader threads on each rank
     skip_nonfinite: bool = False
     collective_timeout_s: float = 600.0  # a rank stuck this long in a collective is an error
+    local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
+    local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
 
     def check(self) -> None:
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
@@ -66,6 +68,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--gamma must be positive (got {self.gamma})")
         if self.cpu_procs < 0:
             raise DFlashCacheError(f"cpu_procs must be at least 0 (got {self.cpu_procs})")
+        if self.local_cache_bytes is not None and self.local_cache_bytes < 1:
+            raise DFlashCacheError(f"--local-cache-size must be positive (got {self.local_cache_bytes} bytes)")
         if self.gpus is not None and not self.gpus:
             raise DFlashCacheError("--gpus is empty; name at least one GPU, or leave it out to use every visible GPU")
         if self.gpus is not None and len(set(self.gpus)) != len(self.gpus):

@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
 
 def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
     """Bad input fails here, before any process is spawned: caches, drafter config, run folder, plan."""
-    caches = CacheSet(cfg.caches)
+    caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes)
     config, notes = drafter_config_for(cfg.drafter, caches)
     check_head(caches)
     identity = run_identity(cfg.trajectory(), world, [c.spec for c in caches.caches],
@@ -113,7 +113,7 @@ def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo) -
 
 def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
     out = Path(cfg.out)
-    caches = CacheSet(cfg.caches)
+    caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes)
     train_keys, eval_keys = caches.split(cfg.eval_fraction)
     plan = EpochPlan(train_keys, caches.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
     total = plan.total_steps(cfg.epochs, cfg.steps)
