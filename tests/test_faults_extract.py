@@ -1,0 +1,175 @@
+"""Extraction faults done for real where the machine allows: a second process on the same --out,
+a file-size limit (a full disk) in the middle of a shard, an out-of-memory batch."""
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_cache import DFlashCacheError, open_cache
+from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.store.verify import verify_cache
+from tests.test_extract import assert_same_cache, cli, extract_args, run_extract
+from tests.tiny import CORPUS, build_target, write_conversations
+
+SHARD_BYTES = int(0.02 * (1 << 20))  # extract_args' --shard-size
+LONG = 9  # the sample id of the one long conversation
+
+
+def write_data(path):
+    """Twelve short conversations, one of them (LONG) replaced by a long one: its row alone is bigger
+    than the file-size limit below, and it is the one that never fits in memory."""
+    write_conversations(path, count=12, seed=5)
+    lines = path.read_text().splitlines()
+    words = " ".join(CORPUS).split()
+    text = " ".join(words[i % len(words)] for i in range(700))
+    lines[LONG] = json.dumps({"messages": [{"role": "user", "content": "Repeat."}, {"role": "assistant", "content": text}]})
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("extract_faults")
+    target = build_target(root / "target", "qwen3")
+    data = write_data(root / "data.jsonl")
+    reference = root / "reference"
+    run_extract(target, data, reference, max_shard_bytes=SHARD_BYTES)
+    return target, data, reference
+
+
+def wait_until_stopped(proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.2)
+    raise TimeoutError("the first extract never reached its stop point")
+
+
+@pytest.mark.slow
+def test_second_process_on_the_same_out_is_refused_naming_the_holder(setup, tmp_path):
+    target, data, reference = setup
+    out = tmp_path / "cache"
+    first = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "extract.forward:2:STOP"})
+    try:
+        wait_until_stopped(first)  # frozen mid-extraction, holding the lock
+        second = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
+                                capture_output=True, text=True, timeout=240)
+        assert second.returncode == 1
+        assert second.stderr.startswith(f"error: {out} is being written by pid {first.pid} on {socket.gethostname()};")
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    assert_same_cache(reference, out)  # the refused run touched nothing
+
+
+def limit_file_size(limit: int):
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    return preexec
+
+
+@pytest.mark.slow
+def test_file_size_limit_during_a_shard_write(setup, tmp_path):
+    """Like a full disk: one clear line, the partial shard is never committed, and once the limit is
+    lifted the same command completes the cache."""
+    target, data, reference = setup
+    out = tmp_path / "cache"
+    limit = 160 << 10  # above every file but the shard holding the long sample
+    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(limit))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "File too large" in error and "rerun the same command" in error and "Traceback" not in proc.stderr, proc.stderr
+    journal = [json.loads(line) for line in (out / "journal" / "r0.jsonl").read_text().splitlines()]
+    committed = {s["shard"]["path"].split("/")[1] for s in journal if "shard" in s}
+    assert committed and all(LONG not in s["shard"]["sample_ids"] for s in journal if "shard" in s)
+    assert {p.name for p in (out / "shards").iterdir()} == committed  # no partial shard, no .tmp
+    assert not (out / "manifest.json").exists()
+
+    run_extract(target, data, out, max_shard_bytes=SHARD_BYTES)
+    assert_same_cache(reference, out)
+
+
+class OutOfMemoryRunner(TargetRunner):
+    """Raises CUDA's OOM error for a batch of more than `budget` tokens, and for the long sample even alone."""
+
+    budget = 150
+
+    def run(self, input_ids, lengths):
+        if input_ids.shape[1] > 1000 or (input_ids.shape[0] > 1 and input_ids.numel() > self.budget):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return super().run(input_ids, lengths)
+
+
+def test_a_sample_that_never_fits_is_named_or_skipped(setup, tmp_path, monkeypatch):
+    target, data, reference = setup
+    monkeypatch.setattr("dflash_cache.extract.worker.TargetRunner", OutOfMemoryRunner)
+    with pytest.raises(DFlashCacheError, match=rf"sample {LONG} \(\d+ tokens\) does not fit in GPU memory even alone"):
+        run_extract(target, data, tmp_path / "a", max_shard_bytes=SHARD_BYTES)
+    assert not (tmp_path / "a" / "manifest.json").exists()
+
+    out = tmp_path / "b"
+    run_extract(target, data, out, max_shard_bytes=SHARD_BYTES, on_bad_sample="skip")
+    cache, ref = open_cache(out), open_cache(reference)
+    assert [s["sample_id"] for s in cache.manifest["skipped"]] == [LONG]
+    assert "does not fit in GPU memory" in cache.manifest["skipped"][0]["reason"]
+    assert sorted(cache) == sorted(set(ref) - {LONG})
+    for sid in cache:  # batches were split: the same values, up to bf16 kernel blocking
+        assert torch.equal(cache[sid].input_ids, ref[sid].input_ids)
+        torch.testing.assert_close(cache[sid].hidden, ref[sid].hidden, atol=2e-2, rtol=2e-2)
+    verify_cache(cache)
+
+
+@pytest.mark.gpu
+def test_real_cuda_oom_splits_down_to_single_samples(setup):
+    """This process's CUDA memory is capped between one sample's peak and two samples': the batch of
+    eight runs out of memory for real and is split down to single samples, with the same outputs;
+    under a cap below one sample's peak, the sample is named."""
+    from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
+    from dflash_cache.extract.target import load_target
+
+    target = load_target(setup[0], "cuda:0")
+    runner = TargetRunner(target, [1, 4])
+    lengths = torch.full((8,), 2048)
+    input_ids = torch.randint(0, target.vocab_size, (8, 2048), generator=torch.Generator().manual_seed(0)).cuda()
+    whole = runner.run(input_ids, lengths).hidden.cpu()
+
+    def reserved_peak(batch: int) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runner.run(input_ids[:batch], lengths[:batch])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved()
+
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    one, two = reserved_peak(1) - base, reserved_peak(2) - base
+    assert two > 1.5 * one  # activations, not weights, decide what fits
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((base + (one + two) / 2) / total)
+        parts = [(p.sample_ids, p.output.hidden.cpu()) for p in run_with_split(runner, input_ids, lengths, list(range(8)))]
+        assert [ids for ids, _ in parts] == [[i] for i in range(8)]
+        for ids, hidden in parts:
+            torch.testing.assert_close(hidden[0], whole[ids[0]], atol=2e-2, rtol=2e-2)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((base + one / 2) / total)
+        with pytest.raises(SampleOutOfMemory, match="sample 0 \\(2048 tokens\\) does not fit"):
+            list(run_with_split(runner, input_ids, lengths, list(range(8))))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
