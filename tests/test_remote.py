@@ -161,3 +161,5 @@ def test_missing_shards_and_file_urls(remote_random_cache):
         verify_cache(cache)
     with pytest.raises(DFlashCacheError, match=r"manifest.json: missing; the cache is incomplete"):
         open_cache(url + "-nothing-here")
+    with pytest.raises(DFlashCacheError, match=r"^nosuch://bucket/cache: .*nosuch"):
+        open_cache("nosuch://bucket/cache")
