@@ -3,7 +3,6 @@ extract -> verify -> inspect -> train, resume after a killed upload, byte-range 
 bounded local folder of whole shards."""
 
 import signal
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -42,49 +41,61 @@ def setup(tmp_path_factory):
     return target, data, reference
 
 
+@pytest.fixture(scope="module")
+def s3_cache(setup, s3_server, tmp_path_factory):  # noqa: F811
+    """The same extraction to S3: (url, staging folder, the relative path of every upload in order)."""
+    target, data, _ = setup
+    url, staging = f"{s3_server}/extracted", tmp_path_factory.mktemp("staging")
+    uploads = []
+    upload, write_bytes = RemoteDir.upload, RemoteDir.write_bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RemoteDir, "upload", lambda self, local, rel: (uploads.append(rel), upload(self, local, rel)))
+        patch.setattr(RemoteDir, "write_bytes", lambda self, rel, b: (uploads.append(rel), write_bytes(self, rel, b)))
+        summary = run_extract(target, data, url, staging)
+    assert summary.manifest is not None and summary.samples == 16
+    return url, staging, uploads
+
+
 def objects(url: str) -> dict[str, bytes]:
     fs, root = fsspec.core.url_to_fs(url)
     return {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root)}
 
 
-def test_extract_verify_inspect_train_on_s3(setup, s3_url, tmp_path):
-    target, data, reference = setup
-    summary = run_extract(target, data, s3_url, tmp_path / "staging")
-    assert summary.manifest is not None and summary.samples == 16
-    assert_same_cache(reference, s3_url)  # sample by sample, then verify_cache on the remote cache
-    stored = objects(s3_url)
+def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
+    _, _, reference = setup
+    url, staging, uploads = s3_cache
+    assert uploads[-1] == "manifest.json" and uploads.index("target/head.safetensors") < uploads.index("shards/r0-00000.arrow")
+    assert_same_cache(reference, url)  # sample by sample, then verify_cache on the remote cache
+    stored = objects(url)
     assert stored["manifest.json"] == (reference / "manifest.json").read_bytes()
-    assert not list((tmp_path / "staging" / "shards").iterdir())  # uploaded shards leave the staging folder
+    assert not list((staging / "shards").iterdir())  # uploaded shards leave the staging folder
 
     runner = CliRunner()
-    for args, expect in ((["verify", s3_url], "ok: 13 shards, 16 samples"), (["inspect", s3_url], "samples:      16")):
+    for args, expect in ((["verify", url], "ok: 13 shards, 16 samples"), (["inspect", url], "samples:      16")):
         result = runner.invoke(main, args)
         assert result.exit_code == 0 and expect in result.stdout, result.output
         assert SECRET not in result.output
     assert not any(SECRET.encode() in blob for blob in stored.values())
-    assert not any(SECRET.encode() in p.read_bytes() for p in (tmp_path / "staging").rglob("*") if p.is_file())
+    assert not any(SECRET.encode() in p.read_bytes() for p in staging.rglob("*") if p.is_file())
 
     drafter = drafter_json(tmp_path / "drafter.json", hidden_size=64, vocab_size=384, target_layer_ids=LAYERS,
                            mask_token_id=build_tokenizer().mask_token_id)
-    for name, cache, extra in (("local", reference, {}), ("s3", s3_url, {}),
-                               ("s3-fetched", s3_url, {"local_cache": str(tmp_path / "shards"), "local_cache_bytes": 1 << 20})):
+    for name, cache, extra in (("local", reference, {}), ("s3", url, {}),
+                               ("s3-fetched", url, {"local_cache": str(tmp_path / "shards"), "local_cache_bytes": 1 << 20})):
         train(tiny_config(tmp_path, cache, out=name, steps=3, drafter=str(drafter), token_budget=512, **extra),
               echo=lambda s: None)
     assert len(losses(tmp_path / "local")) == 3
     assert losses(tmp_path / "s3") == losses(tmp_path / "local") == losses(tmp_path / "s3-fetched")
 
 
-def target_uploads(reference: Path) -> int:
-    return sum(1 for _ in (reference / "target").iterdir())
-
-
 @pytest.mark.parametrize("kill", ["shard", "journal", "manifest"])
-def test_resume_after_a_killed_upload(setup, s3_url, tmp_path, kill):
+def test_resume_after_a_killed_upload(setup, s3_cache, s3_url, tmp_path, kill):
     """SIGKILL before the 2nd shard's upload, before the journal upload that would list it (then
     resumed from another machine's empty staging folder), or before the manifest's upload."""
     target, data, reference = setup
-    shards = len(open_cache(reference).shards)
-    nth = target_uploads(reference) + {"shard": 3, "journal": 4, "manifest": 2 * shards + 1}[kill]
+    uploads = s3_cache[2]
+    second = uploads.index("shards/r0-00001.arrow")
+    nth = {"shard": second, "journal": uploads.index("journal/r0.jsonl", second), "manifest": len(uploads) - 1}[kill] + 1
     staging = tmp_path / "staging"
     proc = cli(*extract_args(target, data, s3_url), "--staging", staging, env={"DFLASH_CACHE_KILL_AT": f"remote.upload:{nth}"})
     _, err = proc.communicate(timeout=300)

@@ -128,14 +128,15 @@ class RangeFile(io.RawIOBase):
     footer and single record batches without fetching the rest.
 
     A read fetches at least MIN_FETCH bytes, shifted back from the end of the file when it would pass
-    it: the first read (the last 10 bytes) then brings the footer along in the same request.
+    it: the first read (the last 10 bytes) then brings the footer along in the same request. Only such
+    small windows are kept for the next read; a record batch is fetched exactly and not kept, so an
+    open reader holds at most MIN_FETCH bytes.
     """
 
     def __init__(self, remote: RemoteDir, rel: str, size: int):
         super().__init__()
         self.remote, self.rel, self.size = remote, rel, size
         self.pos = 0
-        self.requests = 0
         self._start, self._data = 0, b""
 
     def readable(self) -> bool:
@@ -156,16 +157,22 @@ class RangeFile(io.RawIOBase):
         end = self.size if n is None or n < 0 else min(self.pos + n, self.size)
         if end <= self.pos:
             return b""
-        if not (self._start <= self.pos and end <= self._start + len(self._data)):
+        if self._start <= self.pos and end <= self._start + len(self._data):
+            data = self._data[self.pos - self._start : end - self._start]
+        elif end - self.pos >= MIN_FETCH:
+            data = self._fetch(self.pos, end)
+        else:
             start = max(0, min(self.pos, self.size - MIN_FETCH))
-            stop = max(end, min(start + MIN_FETCH, self.size))
-            self._start, self._data = start, self.remote.read_bytes(self.rel, start, stop)
-            self.requests += 1
-            if len(self._data) != stop - start:
-                raise DFlashCacheError(f"{self.remote.url_of(self.rel)}: short read ({len(self._data)} of "
-                                       f"{stop - start} bytes); the object is shorter than the manifest says")
-        data = self._data[self.pos - self._start : end - self._start]
+            self._start, self._data = start, self._fetch(start, min(start + MIN_FETCH, self.size))
+            data = self._data[self.pos - start : end - start]
         self.pos = end
+        return data
+
+    def _fetch(self, start: int, stop: int) -> bytes:
+        data = self.remote.read_bytes(self.rel, start, stop)
+        if len(data) != stop - start:
+            raise DFlashCacheError(f"{self.remote.url_of(self.rel)}: short read ({len(data)} of {stop - start} "
+                                   "bytes); the object is shorter than the manifest says")
         return data
 
     def readinto(self, buffer) -> int:

@@ -51,9 +51,9 @@ class Uploader:
 
     def upload_target(self) -> None:
         """The target/ files, head.safetensors last: its presence says the folder is whole."""
-        names = sorted(p.name for p in (self.staging / TARGET_DIR).iterdir())
-        for name in sorted(names, key=lambda n: n == HEAD_FILE):
-            self.remote.upload(self.staging / TARGET_DIR / name, f"{TARGET_DIR}/{name}")
+        folder = self.staging / TARGET_DIR
+        for name in sorted((p.name for p in folder.iterdir()), key=lambda n: (n == HEAD_FILE, n)):
+            self.remote.upload(folder / name, f"{TARGET_DIR}/{name}")
 
     def reconcile(self, spec: dict) -> None:
         """Bring this rank's staging journal in line with the remote one before extraction starts."""
