@@ -28,8 +28,9 @@ def progress(bar: tqdm):
 @click.option("--num-prompts", type=int, default=16, show_default=True, help="Prompts to decode (0: every one).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True,
               help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
-@click.option("--cache", "caches", multiple=True, type=click.Path(path_type=Path),
-              help="Instead of --target: tau offline from this cache's hidden states, as training evaluates it.")
+@click.option("--cache", "caches", multiple=True,
+              help="Instead of --target: tau offline from this cache's hidden states (a folder or an fsspec URL), "
+                   "as training evaluates it.")
 @click.option("--eval-fraction", type=float, default=0.0, show_default=True,
               help="With --cache: only the samples a training run with this --eval-fraction holds out (0: all).")
 @click.option("--token-budget", type=int, default=49152, show_default=True, help="With --cache: tokens per batch.")

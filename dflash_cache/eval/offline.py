@@ -29,7 +29,7 @@ from dflash_cache.stream.loader import Loader
 @dataclass
 class OfflineOptions:
     drafter: Path
-    caches: list[Path]
+    caches: list[str | Path]  # folders or fsspec URLs
     eval_fraction: float = 0.0  # 0: every sample; else the samples a run with this --eval-fraction holds out
     token_budget: int = 49152
     max_anchors: int = 512
