@@ -34,6 +34,13 @@ def _whole_lines(text: str) -> str:
     return text[: text.rfind("\n") + 1]
 
 
+def _first_spec(journal: str) -> dict | None:
+    try:
+        return json.loads(journal.split("\n", 1)[0]).get("spec")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
 class Uploader:
     """Uploads one rank's commits from `staging` to `remote`; called by its ShardWriter after each
     journal line (runs on the writer thread: an upload overlaps the target's forward passes)."""
@@ -61,7 +68,7 @@ class Uploader:
         remote_text = _whole_lines(self.remote.read_bytes(self.journal).decode()) if self.remote.exists(self.journal) else ""
         local_text = local.read_text() if local.is_file() else ""
         whole = _whole_lines(local_text)  # without a torn last line
-        if whole.startswith(remote_text) and whole != remote_text and json.loads(whole.split("\n", 1)[0]).get("spec") == spec:
+        if whole.startswith(remote_text) and whole != remote_text and _first_spec(whole) == spec:
             pending = [e["shard"]["path"] for e in parse_journal(whole[len(remote_text):], str(local)) if "shard" in e]
             if all((self.staging / p).is_file() for p in pending):  # committed here, not uploaded: upload now
                 for path in pending:
