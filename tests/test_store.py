@@ -6,7 +6,7 @@ import torch
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.codecs import CODECS, compress, decode, decompress, encode, encoded_size
-from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.manifest import build_manifest, manifest_checksum, read_journals, write_manifest
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.verify import verify_cache
 from tests.cachegen import random_row, random_spec, write_random_cache
@@ -122,6 +122,7 @@ def test_row_checksum_catches_flips_even_with_a_matching_sha(tmp_path):
 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["shards"][0]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    manifest["checksum"] = manifest_checksum(manifest)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DFlashCacheError, match=r"row 1 \(sample 1\)"):
         verify_cache(open_cache(tmp_path))

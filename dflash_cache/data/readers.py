@@ -210,12 +210,16 @@ def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordB
 
 def _check_schema(schema: pa.Schema, path: Path) -> list[str]:
     """The columns to read; a missing or mistyped column is an error naming it."""
-    if "input_ids" not in schema.names:
+    try:
+        names = schema.names
+    except UnicodeDecodeError:
+        raise DFlashCacheError(f"{path}: column names that are not UTF-8 (a damaged file?)") from None
+    if "input_ids" not in names:
         raise DFlashCacheError(
-            f"{path}: no 'input_ids' column (columns: {', '.join(schema.names) or 'none'}); "
+            f"{path}: no 'input_ids' column (columns: {', '.join(names) or 'none'}); "
             "Parquet/Arrow input must be pre-tokenized, conversations go in JSONL"
         )
-    columns = ["input_ids"] + (["loss_mask"] if "loss_mask" in schema.names else [])
+    columns = ["input_ids"] + (["loss_mask"] if "loss_mask" in names else [])
     for name in columns:
         kind = schema.field(name).type
         value_ok = pa.types.is_integer if name == "input_ids" else _is_int_or_bool

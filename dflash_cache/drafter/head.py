@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dflash_cache.errors import DFlashCacheError
@@ -30,7 +31,10 @@ class TargetHead:
         path = Path(path)
         if not path.is_file():
             raise DFlashCacheError(f"target head file {path} not found; it is written by `dflash-cache extract`.")
-        tensors = load_file(path, device=str(device))
+        try:
+            tensors = load_file(path, device=str(device))
+        except (SafetensorError, OSError) as e:
+            raise DFlashCacheError(f"{path}: unreadable ({e}); re-run extract to rewrite the target head.") from None
         if missing := [k for k in HEAD_KEYS if k not in tensors]:
             raise DFlashCacheError(f"{path} lacks {missing}; re-run extract to rewrite the target head.")
         head = cls(*(tensors[k] for k in HEAD_KEYS))

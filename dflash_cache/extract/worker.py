@@ -30,6 +30,7 @@ from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
 from dflash_cache.store.codecs import compress, encode
+from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
@@ -198,15 +199,16 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     target = target or load_target(job.target_path, job.device)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
+    shards = ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes,
+                         on_journal=job.uploader or (lambda shard_path: None))
     if job.write_target_files:
         save_target_files(target, job.root / "target")
         if job.uploader is not None:
             job.uploader.upload_target()
+        shards.record_target_files(hash_target_files(job.root / "target"))
     layer_ids = job.spec["layer_ids"]
     codec = job.spec["codec"]
     runner = TargetRunner(target, layer_ids, topk=job.spec["topk"])
-    shards = ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes,
-                         on_journal=job.uploader or (lambda shard_path: None))
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
     pool = ThreadPoolExecutor(job.compress_threads, thread_name_prefix=f"compress-r{job.rank}")

@@ -6,6 +6,7 @@ manifest; it is written to a temporary name and renamed, so readers see the old 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, parse_journal, read_journal
@@ -27,6 +29,7 @@ class JournalState:
     spec: dict | None
     shards: list[ShardRecord]
     skipped: list[dict]  # {"sample_id", "reason"}
+    target_files: dict[str, str] | None = None  # sha256 of each file in target/, when extract wrote them
 
     def done_sample_ids(self) -> set[int]:
         done = {s["sample_id"] for s in self.skipped}
@@ -45,19 +48,58 @@ def _journals(root: Path | RemoteDir) -> list[tuple[str, list[dict]]]:
 
 
 def read_journals(root: Path | RemoteDir) -> JournalState:
-    spec, shards, skipped = None, {}, {}
+    spec, shards, skipped, target_files = None, {}, {}, None
     for path, entries in _journals(root):
         for entry in entries:
-            if "spec" in entry:
-                if spec is not None and entry["spec"] != spec:
-                    raise DFlashCacheError(f"{path}: spec differs from the other journals")
-                spec = entry["spec"]
-            elif "shard" in entry:
-                record = ShardRecord(**entry["shard"])
-                shards[record.path] = record
-            elif "skipped" in entry:
-                skipped[entry["skipped"]["sample_id"]] = entry["skipped"]
-    return JournalState(spec, [shards[p] for p in sorted(shards)], [skipped[s] for s in sorted(skipped)])
+            try:
+                if "spec" in entry:
+                    if not isinstance(entry["spec"], dict):
+                        raise ValueError("the spec is not an object")
+                    if spec is not None and entry["spec"] != spec:
+                        raise DFlashCacheError(f"{path}: spec differs from the other journals")
+                    spec = entry["spec"]
+                elif "shard" in entry:
+                    record = shard_record(entry["shard"])
+                    shards[record.path] = record
+                elif "skipped" in entry:
+                    if not _counts([entry["skipped"]["sample_id"]]):
+                        raise ValueError("a skipped sample id is not an integer")
+                    skipped[entry["skipped"]["sample_id"]] = entry["skipped"]
+                elif "target_files" in entry:
+                    target_files = target_file_list(entry["target_files"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise DFlashCacheError(f"{path}: corrupt entry ({e}); restore the file, or delete it to extract "
+                                       "that rank's samples again") from None
+    return JournalState(spec, [shards[p] for p in sorted(shards)], [skipped[s] for s in sorted(skipped)], target_files)
+
+
+def _counts(values) -> bool:
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
+
+
+def shard_record(entry: object) -> ShardRecord:
+    """A shard entry of a journal or of the manifest, its fields checked (TypeError or ValueError if bad)."""
+    record = ShardRecord(**entry)
+    if not (isinstance(record.path, str) and isinstance(record.sha256, str) and _counts(record.sample_ids)
+            and _counts(record.num_tokens) and _counts([record.rows, record.tokens, record.bytes, record.hidden_bytes])):
+        raise ValueError(f"shard {record.path!r} has fields of the wrong type")
+    if len(record.sample_ids) != record.rows or len(record.num_tokens) != record.rows or sum(record.num_tokens) != record.tokens:
+        raise ValueError(f"shard {record.path} lists inconsistent rows")
+    return record
+
+
+def target_file_list(entry: object) -> dict[str, str]:
+    """{file name in target/: sha256}, checked (ValueError if bad)."""
+    if not (isinstance(entry, dict) and all(isinstance(h, str) and n not in ("", ".", "..") and "/" not in n
+                                            for n, h in entry.items())):
+        raise ValueError("target_files is not a list of file names and hashes")
+    return entry
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """sha256 of the manifest's JSON without its `checksum` key (sorted keys, compact separators)."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def length_histogram(lengths: list[int]) -> list[dict]:
@@ -75,7 +117,7 @@ def build_manifest(state: JournalState, extra: dict | None = None) -> dict:
     tokens = sum(lengths)
     width = len(state.spec["layer_ids"]) * state.spec["target"]["hidden_size"]
     hidden_bytes = sum(s.hidden_bytes for s in state.shards)
-    return {
+    manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "spec": state.spec,
@@ -89,8 +131,11 @@ def build_manifest(state: JournalState, extra: dict | None = None) -> dict:
             "raw_hidden_bytes": tokens * width * 2,
         },
         "histogram": length_histogram(lengths),
+        **({"target_files": state.target_files} if state.target_files else {}),
         **(extra or {}),
     }
+    manifest["checksum"] = manifest_checksum(manifest)
+    return manifest
 
 
 def write_manifest(root: Path, manifest: dict) -> Path:
@@ -107,6 +152,7 @@ def write_manifest(root: Path, manifest: dict) -> Path:
 
 
 INCOMPLETE = "missing; the cache is incomplete (rerun the same extract command to finish it)"
+REBUILD = "rerun the same extract command to rebuild it from the journals"
 
 
 def write_remote_manifest(remote: RemoteDir, manifest: dict) -> None:
@@ -140,20 +186,24 @@ def parse_manifest(data: bytes, path: str) -> dict:
     try:
         manifest = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashCacheError(f"{path}: unreadable manifest ({e})") from None
+        raise DFlashCacheError(f"{path}: unreadable manifest ({e}); {REBUILD}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise DFlashCacheError(f"{path}: not a dflash-cache manifest")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise DFlashCacheError(f"{path}: format version {version} is newer than this dflash-cache reads ({FORMAT_VERSION}); upgrade dflash-cache")
     try:
-        shards = [ShardRecord(**s) for s in manifest["shards"]]
+        shards = [shard_record(s) for s in manifest["shards"]]
         spec = manifest["spec"]
-        _ = spec["codec"], spec["layer_ids"], spec["target"]["hidden_size"]
-        for s in shards:
-            if len(s.sample_ids) != s.rows or len(s.num_tokens) != s.rows or sum(s.num_tokens) != s.tokens:
-                raise ValueError(f"shard {s.path} lists inconsistent rows")
+        if spec["codec"] not in CODECS:
+            raise ValueError(f"unknown codec {spec['codec']!r}")
+        if not (spec["layer_ids"] and _counts(spec["layer_ids"]) and _counts([spec["target"]["hidden_size"]])):
+            raise ValueError("the spec's layer ids or hidden size are not integers")
+        target_file_list(manifest.get("target_files", {}))
     except (KeyError, TypeError, ValueError) as e:
-        raise DFlashCacheError(f"{path}: malformed manifest ({e})") from None
+        raise DFlashCacheError(f"{path}: malformed manifest ({e}); {REBUILD}") from None
+    if manifest.get("checksum") != manifest_checksum(manifest):
+        problem = "has no checksum" if "checksum" not in manifest else "checksum does not match its content"
+        raise DFlashCacheError(f"{path}: {problem} (edited by hand or damaged); {REBUILD}")
     manifest["shards"] = shards
     return manifest

@@ -149,6 +149,11 @@ class ShardWriter:
         append_journal(self.journal_path, {"skipped": {"sample_id": sample_id, "reason": reason}})
         self.on_journal(None)
 
+    def record_target_files(self, hashes: dict[str, str]) -> None:
+        """Record the sha256 of each file written to target/, for the manifest to vouch for them."""
+        append_journal(self.journal_path, {"target_files": hashes})
+        self.on_journal(None)
+
     def abort(self) -> None:
         """Drop the shard being written (after an error); nothing of it is ever listed."""
         if self._open is not None:
@@ -171,7 +176,12 @@ def append_journal(path: Path, entry: dict) -> None:
 
 
 def read_journal(path: Path) -> list[dict]:
-    return parse_journal(Path(path).read_text(), str(path))
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as e:
+        raise DFlashCacheError(f"{path}: not UTF-8 text ({e}); restore the file, or delete it to extract that rank's "
+                               "samples again") from None
+    return parse_journal(text, str(path))
 
 
 def parse_journal(text: str, where: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""`verify`: re-read every shard of a cache and check every byte that the manifest vouches for."""
+"""`verify`: re-read every shard of a cache and check every byte that the manifest vouches for: the
+shards, the files of target/ and the journals."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.cache import Cache
 from dflash_cache.store.codecs import decode
 from dflash_cache.store.fetch import file_sha256
+from dflash_cache.store.integrity import check_journals, check_target_files
 from dflash_cache.store.shard import ShardReader, ShardRecord
 
 import torch
@@ -26,12 +28,14 @@ class VerifyReport:
 def verify_cache(cache: Cache, progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
     """Raises DFlashCacheError naming the first bad shard (and row); `progress` gets bytes checked.
     A remote cache's shards are downloaded one at a time to a temporary file and checked there."""
+    check_target_files(cache.target_dir(), cache.manifest)
     rows = tokens = 0
     for index, shard in enumerate(cache.shards):
         with cache.local_copy(index) as path:
             rows_, tokens_ = _verify_shard(cache, shard, path, cache.shard_name(index))
         rows, tokens = rows + rows_, tokens + tokens_
         progress(shard.bytes)
+    check_journals(cache)
     return VerifyReport(shards=len(cache.shards), rows=rows, tokens=tokens, bytes=sum(s.bytes for s in cache.shards))
 
 

@@ -15,6 +15,7 @@ from dflash_cache.drafter.config import (
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.integrity import check_target_files
 from dflash_cache.stream.caches import CacheSet
 
 HEAD_FILE = "head.safetensors"
@@ -45,9 +46,11 @@ def drafter_config_for(name_or_path: str, caches: CacheSet) -> tuple[DrafterConf
 
 
 def check_head(caches: CacheSet) -> Path:
+    """The target head's path, once the target/ files match what the manifest lists."""
     path = caches.head_dir / HEAD_FILE
     if not path.is_file():
         raise DFlashCacheError(f"{path} is missing: the cache lacks the target head the drafter shares (rerun extract)")
+    check_target_files(caches.head_dir, caches.caches[0].manifest)
     return path
 
 

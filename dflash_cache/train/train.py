@@ -85,8 +85,8 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
 def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
     """Bad input fails here, before any process is spawned: caches, drafter config, run folder, plan."""
     caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes)
+    check_head(caches)  # first: it checks the target files the drafter config reads
     config, notes = drafter_config_for(cfg.drafter, caches)
-    check_head(caches)
     identity = run_identity(cfg.trajectory(), world, [c.spec for c in caches.caches],
                             [len(c) for c in caches.caches], config.to_dict())
     checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)

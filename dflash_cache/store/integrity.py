@@ -1,0 +1,58 @@
+"""What ties a cache's other files to its manifest: the sha256 of each file in target/, and the
+journals, from which a rerun of extract rebuilds the manifest. (Shards are checked by verify.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.fetch import file_sha256
+from dflash_cache.store.manifest import read_journals
+from dflash_cache.store.shard import JOURNAL_DIR
+
+
+def hash_target_files(target_dir: Path) -> dict[str, str]:
+    return {path.name: file_sha256(path) for path in sorted(Path(target_dir).iterdir()) if path.is_file()}
+
+
+def check_target_files(target_dir: Path, manifest: dict) -> int:
+    """Raises naming the first file of target/ that differs from the manifest's sha256; returns the
+    number of files checked (0 for a cache whose manifest lists none)."""
+    listed = manifest.get("target_files", {})
+    for name, sha256 in listed.items():
+        path = Path(target_dir) / name
+        problem = "is missing" if not path.is_file() else "does not match the manifest's sha256" if file_sha256(path) != sha256 else None
+        if problem:
+            raise DFlashCacheError(f"{path} {problem} (damaged or replaced); restore it, or delete {target_dir} and "
+                                   "rerun the same extract command to rewrite it")
+    return len(listed)
+
+
+def check_journals(cache) -> None:
+    """The journals must say what the manifest says (a cache copied without journal/ is not checked)."""
+    source = cache.remote if cache.remote is not None else cache.root
+    if not (source.list(JOURNAL_DIR) if cache.remote is not None else any((cache.root / JOURNAL_DIR).glob("r*.jsonl"))):
+        return
+    where = f"{cache.root}/{JOURNAL_DIR}"
+    state = read_journals(source)
+
+    def disagree(what: str) -> DFlashCacheError:
+        return DFlashCacheError(f"{where}: {what}; a journal was damaged or manifest.json edited (a rerun of extract "
+                                "rebuilds the manifest from the journals: restore the right one first)")
+
+    if state.spec != cache.spec:
+        journal_spec = state.spec or {}
+        fields = [f"{k}: {journal_spec.get(k)} -> {cache.spec.get(k)}" for k in sorted(set(journal_spec) | set(cache.spec))
+                  if journal_spec.get(k) != cache.spec.get(k)]
+        raise disagree(f"the journals hold another spec than the manifest ({'; '.join(fields)})")
+    listed = {s.path: s.__dict__ for s in cache.shards}
+    journaled = {s.path: s.__dict__ for s in state.shards}
+    for path in sorted(set(listed) | set(journaled)):
+        if path not in listed:
+            raise disagree(f"{path}: in the journals but not in the manifest")
+        if path not in journaled:
+            raise disagree(f"{path}: in the manifest but not in the journals")
+        if fields := [k for k in listed[path] if listed[path][k] != journaled[path][k]]:
+            raise disagree(f"{path}: the journals and the manifest differ in {', '.join(fields)}")
+    if state.skipped != cache.manifest.get("skipped", []) or (state.target_files or {}) != cache.manifest.get("target_files", {}):
+        raise disagree("the journals and the manifest list other skipped samples or target files")
