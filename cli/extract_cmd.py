@@ -23,7 +23,7 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
-@click.option("--tokenize-workers", type=int, default=0, help="Processes for tokenizing conversations (0: in the main process).")
+@click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, help="Processes for tokenizing conversations (0: in the main process).")
 def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers):
     """Run the target once over the data and write its hidden states to a cache.
 

@@ -66,6 +66,14 @@ class TrainConfig:
             raise DFlashCacheError(f"--labels must be target or tokens (got {self.labels!r})")
         if self.gamma <= 0:
             raise DFlashCacheError(f"--gamma must be positive (got {self.gamma})")
+        if self.grad_clip <= 0:  # a negative norm would flip the gradients' sign
+            raise DFlashCacheError(f"--grad-clip must be positive (got {self.grad_clip})")
+        if self.weight_decay < 0:
+            raise DFlashCacheError(f"--weight-decay must be at least 0 (got {self.weight_decay})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise DFlashCacheError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.collective_timeout_s <= 0:
+            raise DFlashCacheError(f"--collective-timeout must be positive (got {self.collective_timeout_s})")
         if self.cpu_procs < 0:
             raise DFlashCacheError(f"cpu_procs must be at least 0 (got {self.cpu_procs})")
         if self.local_cache_bytes is not None and self.local_cache_bytes < 1:
