@@ -2,17 +2,22 @@
 `--resume` continues from the last complete checkpoint, never a half-written one, and the losses
 equal those of an uninterrupted run."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from click.testing import CliRunner
 
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
+from dflash_cache.train.distributed import RankFailed
+from dflash_cache.train.train import train
 from dflash_cache_cli.main import main
-from tests.test_train_helpers import drafter_json, losses, make_cache, metrics
+from tests.test_train_helpers import drafter_json, losses, make_cache, metrics, tiny_config
 
 STEPS, SAVE_EVERY = 6, 2
 
@@ -51,3 +56,31 @@ def test_sigkill_then_resume_equals_uninterrupted(setup, tmp_path, kill_at, resu
     assert losses(run) == whole  # bit for bit, and metrics.jsonl reads as one run
     assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
     assert not half_written.exists() and latest_checkpoint(run).name == f"step-{STEPS}"
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_ends_every_rank_promptly(setup, tmp_path):
+    """Two CPU ranks (gloo DDP, spawned as for GPUs); one is SIGKILLed mid-run: the run ends within
+    30 s with an error naming the rank, and no process is left behind."""
+    cache, _, _ = setup
+    outcome = []
+
+    def run():
+        try:
+            train(tiny_config(tmp_path, cache, steps=10_000, cpu_procs=2), echo=print)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not ((tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "run" / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.2)
+    victim = multiprocessing.active_children()[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and time.monotonic() - killed < 30
+    assert isinstance(outcome[0], RankFailed) and "died" in str(outcome[0]), outcome
+    assert not multiprocessing.active_children()

@@ -141,7 +141,7 @@ def launch(fn: Callable, devices: list[str], args: tuple = ()) -> None:
         while not procs.join(timeout=1.0, grace_period=GRACE_S):
             pass
     except ProcessException as e:
-        if errors.empty():
+        if getattr(e, "signal_name", None) or errors.empty():  # a rank killed from outside: the others' errors follow from it
             raise RankFailed(f"rank {e.error_index} died ({e}) without reporting an error") from None
         rank, user_error, message, trace = errors.get()  # the first to fail: others fail after it exits
         error = (DFlashCacheError if user_error else RankFailed)(f"rank {rank}: {message}")
