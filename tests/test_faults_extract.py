@@ -82,26 +82,63 @@ def limit_file_size(limit: int):
     return preexec
 
 
-@pytest.mark.slow
-def test_file_size_limit_during_a_shard_write(setup, tmp_path):
-    """Like a full disk: one clear line, the partial shard is never committed, and once the limit is
-    lifted the same command completes the cache."""
-    target, data, reference = setup
-    out = tmp_path / "cache"
-    limit = 160 << 10  # above every file but the shard holding the long sample
-    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
-                          capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(limit))
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    error = proc.stderr.strip().splitlines()[-1]
-    assert "File too large" in error and "rerun the same command" in error and "Traceback" not in proc.stderr, proc.stderr
+def assert_stopped_cleanly(out, returncode: int, stderr: str, reason: str) -> None:
+    """One clear line; shards committed before the failure are kept, the one being written is not."""
+    assert returncode == 1, stderr[-2000:]
+    error = stderr.strip().splitlines()[-1]
+    assert reason in error and "rerun the same command" in error and "Traceback" not in stderr, stderr
     journal = [json.loads(line) for line in (out / "journal" / "r0.jsonl").read_text().splitlines()]
     committed = {s["shard"]["path"].split("/")[1] for s in journal if "shard" in s}
     assert committed and all(LONG not in s["shard"]["sample_ids"] for s in journal if "shard" in s)
     assert {p.name for p in (out / "shards").iterdir()} == committed  # no partial shard, no .tmp
     assert not (out / "manifest.json").exists()
 
+
+@pytest.mark.slow
+def test_file_size_limit_during_a_shard_write(setup, tmp_path):
+    """RLIMIT_FSIZE below the long sample's shard: the write fails with EFBIG; once the limit is
+    lifted the same command completes the cache."""
+    target, data, reference = setup
+    out = tmp_path / "cache"
+    limit = 160 << 10  # above every file but the shard holding the long sample
+    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(limit))
+    assert_stopped_cleanly(out, proc.returncode, proc.stderr, "File too large")
     run_extract(target, data, out, max_shard_bytes=SHARD_BYTES)
     assert_same_cache(reference, out)
+
+
+def can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_shard_write(setup, tmp_path):
+    """A real full disk: a 400 KiB tmpfs (in a user namespace, no privileges needed) fills up while
+    shards are written; after it is grown, the same command completes the cache."""
+    if not can_mount_tmpfs():
+        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
+    target, data, reference = setup
+    disk, saved = tmp_path / "disk", tmp_path / "saved"
+    disk.mkdir()
+    command = " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, disk / "cache")])
+    script = f"""
+        mount -t tmpfs -o size=400k tmpfs '{disk}' || exit 99
+        {command} 2> '{tmp_path}/first.err'; echo $? > '{tmp_path}/first.rc'
+        cp -r '{disk}/cache' '{saved}'
+        mount -o remount,size=4m '{disk}' || exit 98
+        {command} 2> '{tmp_path}/second.err'; echo $? > '{tmp_path}/second.rc'
+        cp -r '{disk}/cache' '{tmp_path}/cache'
+    """
+    assert subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=600).returncode == 0
+    first = (tmp_path / "first.err").read_text()
+    assert_stopped_cleanly(saved, int((tmp_path / "first.rc").read_text()), first, "No space left on device")
+    assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-2000:]
+    assert_same_cache(reference, tmp_path / "cache")
 
 
 class OutOfMemoryRunner(TargetRunner):
