@@ -93,6 +93,17 @@ def test_train_stops_on_a_damaged_shard_naming_it(setup, tmp_path):
     one_line_error(code, err, "r0-00002.arrow", "checksum")
 
 
+@pytest.mark.parametrize("name, message", [("manifest.json", "the cache is incomplete"),
+                                           ("shards/r0-00002.arrow", "shard listed in the manifest is missing"),
+                                           ("target/head.safetensors", "is missing"), ("target/config.json", "is missing")])
+def test_a_deleted_file(setup, tmp_path, name, message):
+    _, _, cache, drafter = setup
+    damaged = shutil.copytree(cache, tmp_path / "cache")
+    (damaged / name).unlink()
+    one_line_error(*cli("verify", damaged), name, message)
+    one_line_error(*cli(*train_args(damaged, drafter, tmp_path / "run")), name, message)
+
+
 def test_train_needs_only_the_manifest_not_the_journals(setup, tmp_path):
     _, _, cache, drafter = setup
     damaged = damage(cache, tmp_path / "cache", "journal/r0.jsonl", "truncate")
