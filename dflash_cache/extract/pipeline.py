@@ -184,7 +184,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                     done={sid for batch in mine for sid in batch if sid in done},
                     first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
-                    write_target_files=rank == 0 and not _exists(store, HEAD),
+                    # Again when a run died before journaling their hashes (a head file may be partial).
+                    write_target_files=rank == 0 and (state.target_files is None or not _exists(store, HEAD)),
                     uploader=None if remote is None else Uploader(remote, root, rank),
                 )
             )
