@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
+from dflash_cache_cli.main import main
 
 from dflash_cache import open_cache
 from dflash_cache.store.manifest import manifest_checksum
-from dflash_cache_cli.main import main
 from tests.test_extract import run_extract
 from tests.test_train_helpers import drafter_json
 from tests.tiny import build_target, write_conversations
@@ -41,12 +41,13 @@ def one_line_error(code, err, *needles):
         assert needle in err, err
 
 
-def damage(source, dest, name, how, rng=random.Random(0)):
-    """A copy of the cache with one file damaged: 'truncate' (half), 'empty' or 'flip' (one random bit)."""
+def damage(source, dest, name, how, seed=0):
+    """A copy of the cache with one file damaged: 'truncate' (half), 'empty' or 'flip' (one bit, chosen by `seed`)."""
     shutil.copytree(source, dest)
     path = dest / name
     data = bytearray(path.read_bytes())
     if how == "flip":
+        rng = random.Random(f"{name} {seed}")
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     else:
         data = data[: len(data) // 2] if how == "truncate" else bytearray()
@@ -64,7 +65,7 @@ def test_verify_reports_any_flip_or_truncation_of_any_file(setup, tmp_path, name
     cache = setup[2]
     assert cli("verify", cache)[0] == 0
     for i, how in enumerate(["truncate", "empty"] + ["flip"] * 8):
-        code, err = cli("verify", damage(cache, tmp_path / str(i), name, how))
+        code, err = cli("verify", damage(cache, tmp_path / str(i), name, how, seed=i))
         one_line_error(code, err, name.split("/")[0] if name.startswith("journal") else name)
 
 

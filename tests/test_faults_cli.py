@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from dflash_cache_cli.main import main
 from transformers import T5Config
 
 from dflash_cache import DFlashCacheError
-from dflash_cache_cli.main import main
 from tests.test_extract import run_extract
 from tests.test_train_helpers import drafter_json, make_cache
 from tests.tiny import build_target, write_conversations
@@ -146,7 +146,7 @@ def bad_data_files(directory):
 
 
 def test_bad_data_leaves_an_existing_cache_untouched(setup, tmp_path):
-    root, target, _, cache = setup
+    _, target, _, cache = setup
     before = {p: p.read_bytes() for p in cache.rglob("*") if p.is_file() and "locks" not in p.parts}
     for path, message in bad_data_files(tmp_path).items():
         code, err = cli("extract", "--target", target, "--data", path, "--out", cache, "--layers", "1,4")
