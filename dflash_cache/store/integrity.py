@@ -15,23 +15,28 @@ def hash_target_files(target_dir: Path) -> dict[str, str]:
     return {path.name: file_sha256(path) for path in sorted(Path(target_dir).iterdir()) if path.is_file()}
 
 
-def check_target_files(target_dir: Path, manifest: dict) -> int:
-    """Raises naming the first file of target/ that differs from the manifest's sha256; returns the
-    number of files checked (0 for a cache whose manifest lists none)."""
-    listed = manifest.get("target_files", {})
-    for name, sha256 in listed.items():
+def check_target_files(target_dir: Path, manifest: dict) -> None:
+    """Raises naming the first file of target/ that differs from the manifest's sha256 (a manifest
+    that lists none, written before extract recorded them, has nothing to check)."""
+    for name, sha256 in manifest.get("target_files", {}).items():
         path = Path(target_dir) / name
-        problem = "is missing" if not path.is_file() else "does not match the manifest's sha256" if file_sha256(path) != sha256 else None
-        if problem:
-            raise DFlashCacheError(f"{path} {problem} (damaged or replaced); restore it, or delete {target_dir} and "
-                                   "rerun the same extract command to rewrite it")
-    return len(listed)
+        if not path.is_file():
+            problem = "is missing"
+        elif file_sha256(path) != sha256:
+            problem = "does not match the manifest's sha256 (damaged or replaced)"
+        else:
+            continue
+        raise DFlashCacheError(f"{path} {problem}; restore it, or delete {target_dir} and rerun the same extract "
+                               "command to rewrite it")
 
 
 def check_journals(cache) -> None:
     """The journals must say what the manifest says (a cache copied without journal/ is not checked)."""
-    source = cache.remote if cache.remote is not None else cache.root
-    if not (source.list(JOURNAL_DIR) if cache.remote is not None else any((cache.root / JOURNAL_DIR).glob("r*.jsonl"))):
+    if cache.remote is not None:
+        source, present = cache.remote, bool(cache.remote.list(JOURNAL_DIR))
+    else:
+        source, present = cache.root, any((cache.root / JOURNAL_DIR).glob("r*.jsonl"))
+    if not present:
         return
     where = f"{cache.root}/{JOURNAL_DIR}"
     state = read_journals(source)
