@@ -43,16 +43,17 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    # Commands are added here as their modules land; each module defines one click command.
-    import importlib
+    from dflash_cache_cli import (
+        demo_cmd,
+        eval_cmd,
+        export_cmd,
+        extract_cmd,
+        inspect_cmd,
+        train_cmd,
+        verify_cmd,
+    )
 
-    for name in ["inspect", "verify", "extract", "train", "export", "eval", "demo"]:
-        try:
-            module = importlib.import_module(f"dflash_cache_cli.{name}_cmd")
-        except ModuleNotFoundError as e:
-            if e.name == f"dflash_cache_cli.{name}_cmd":
-                continue
-            raise
+    for module in (extract_cmd, train_cmd, inspect_cmd, verify_cmd, export_cmd, eval_cmd, demo_cmd):
         main.add_command(module.command)
 
 
