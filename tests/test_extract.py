@@ -141,29 +141,3 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
         assert p.returncode == 0, err[-2000:]
     assert {p.name.split("-")[0] for p in (out / "shards").iterdir()} == {"r0", "r1"}
     assert_same_cache(reference, out)
-
-
-def test_sample_that_never_fits_is_an_error_or_skipped(qwen3_target_dir, conversations, tmp_path, monkeypatch):
-    """A CUDA OOM (faked: the CPU has none) on every batch holding the longest sample splits the
-    batch down to that sample alone, which is then reported by id, or skipped and listed."""
-    from dflash_cache.extract.runner import TargetRunner
-
-    real_run = TargetRunner.run
-    tokenizer = AutoTokenizer.from_pretrained(qwen3_target_dir)
-    import json
-
-    lengths = [len(tokenize_conversation(tokenizer, json.loads(line)["messages"])[0]) for line in open(conversations)]
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-
-    def run(self, input_ids, lengths_):
-        if int(lengths_.max()) == lengths[longest]:
-            raise torch.cuda.OutOfMemoryError("fake")
-        return real_run(self, input_ids, lengths_)
-
-    monkeypatch.setattr(TargetRunner, "run", run)
-    with pytest.raises(DFlashCacheError, match=f"sample {longest} "):
-        run_extract(qwen3_target_dir, conversations, tmp_path / "a", token_budget=2000)
-    run_extract(qwen3_target_dir, conversations, tmp_path / "b", token_budget=2000, on_bad_sample="skip")
-    cache = open_cache(tmp_path / "b")
-    assert longest not in cache and len(cache) == len(lengths) - 1
-    assert [s["sample_id"] for s in cache.manifest["skipped"]] == [longest]
