@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import click
+from transformers.utils.logging import disable_progress_bar
 
 from dflash_cache.demo import ASSETS, DemoOptions, run_demo
 from dflash_cache.store.codecs import CODECS
@@ -18,6 +19,7 @@ def command(workdir, assets, codec):
     Speculative decoding of the trained drafter on held-out prompts is checked against the target's
     own greedy output, and its mean acceptance length (tau) is reported.
     """
+    disable_progress_bar()  # the weights load three times; their progress bars would bury the story
     result = run_demo(DemoOptions(workdir=workdir, assets=assets, codec=codec), echo=click.echo)
     report = result.report
     click.echo(f"eval: speculative decoding of {report.prompts} held-out prompts ({result.seconds['eval']:.0f} s)")

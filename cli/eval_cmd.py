@@ -3,7 +3,12 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative
+from dflash_cache.eval import (
+    OfflineOptions,
+    SpeculativeOptions,
+    evaluate_offline,
+    evaluate_speculative,
+)
 from dflash_cache.eval.speculative import DTYPES
 
 

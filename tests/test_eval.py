@@ -10,7 +10,13 @@ from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.export import export_checkpoint
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative, speculative
+from dflash_cache.eval import (
+    OfflineOptions,
+    SpeculativeOptions,
+    evaluate_offline,
+    evaluate_speculative,
+    speculative,
+)
 from dflash_cache.eval.decode import greedy_generate, speculative_generate
 from dflash_cache.eval.drafters import check_fits, read_drafter
 from dflash_cache.eval.prompts import load_prompts

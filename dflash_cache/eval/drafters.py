@@ -12,7 +12,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_drafter_state
+from dflash_cache.drafter.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    load_drafter_state,
+)
 from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter

@@ -20,7 +20,12 @@ from pathlib import Path
 import torch
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.eval.decode import Generation, block_drafter, greedy_generate, speculative_generate
+from dflash_cache.eval.decode import (
+    Generation,
+    block_drafter,
+    greedy_generate,
+    speculative_generate,
+)
 from dflash_cache.eval.drafters import build_drafter, check_fits, read_drafter
 from dflash_cache.eval.prompts import load_prompts
 from dflash_cache.extract.runner import TargetRunner
