@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.data.dataset import Sample, load_samples
@@ -42,7 +43,8 @@ def target_head(target: Target) -> TargetHead:
 
 
 class LiveSource:
-    """Samples keyed as in a cache of the same data: key = sample id = the record's index.
+    """Samples keyed as in a cache of the same data: key = sample id = the record's index (a cache
+    that skipped bad samples has fewer keys, so its keys and these part ways after the first skip).
 
     Reading the target's config and tokenizing the data happen at construction; the weights load on
     the first call that needs them (`head`, `batches`)."""
@@ -63,8 +65,6 @@ class LiveSource:
         self.layer_ids = resolve_layer_ids(self.info.num_layers, layers, num_draft_layers)
         self.device = torch.device(device)
         self.forward_tokens = forward_tokens
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(self.info.path, local_files_only=True)
         loaded = load_samples(list(data), tokenizer, max_length)
         self.samples: list[Sample] = loaded.samples
