@@ -27,12 +27,12 @@ from dflash_cache.data.dataset import load_samples
 from dflash_cache.data.plan import plan_batches, shard_for_rank
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
-from dflash_cache.extract.spec import make_spec, spec_differences
+from dflash_cache.extract.spec import make_spec
 from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.store.codecs import check_codec
-from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest, write_remote_manifest
+from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest, write_remote_manifest, spec_differences
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import SHARD_DIR, TMP_SUFFIX, ShardRecord
 from dflash_cache.store.staging import Uploader, default_staging

@@ -38,16 +38,3 @@ def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: s
         "max_length": max_length,
         "topk": topk,
     }
-
-
-def spec_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Human-readable 'field: old -> new' lines for every leaf that differs."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += spec_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            short = lambda v: (v[:12] + "...") if isinstance(v, str) and len(v) > 16 else v  # noqa: E731
-            diffs.append(f"{prefix}{key}: {short(a)} -> {short(b)}")
-    return diffs

@@ -207,3 +207,19 @@ def parse_manifest(data: bytes, path: str) -> dict:
         raise DFlashCacheError(f"{path}: {problem} (edited by hand or damaged); {REBUILD}")
     manifest["shards"] = shards
     return manifest
+
+
+def spec_differences(a: dict, b: dict, ignore: frozenset[str] = frozenset(), prefix: str = "") -> list[str]:
+    """'field: A -> B' for every leaf of two nested dicts that differs (dotted names in `ignore` skipped;
+    long strings such as hashes shortened)."""
+    short = lambda v: (v[:12] + "...") if isinstance(v, str) and len(v) > 16 else v  # noqa: E731
+    out = []
+    for key in sorted(set(a) | set(b)):
+        name, x, y = f"{prefix}{key}", a.get(key), b.get(key)
+        if name in ignore:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += spec_differences(x, y, ignore, f"{name}.")
+        elif x != y:
+            out.append(f"{name}: {short(x)} -> {short(y)}")
+    return out

@@ -12,24 +12,11 @@ from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store import Cache, open_cache
+from dflash_cache.store.manifest import spec_differences
 from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from.
 FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length"}
-
-
-def differences(a: dict, b: dict, ignore: set[str] = frozenset(), prefix: str = "") -> list[str]:
-    """'field: A -> B' for every leaf of two nested dicts that differs (dotted names in `ignore` skipped)."""
-    out = []
-    for key in sorted(set(a) | set(b)):
-        name, x, y = f"{prefix}{key}", a.get(key), b.get(key)
-        if name in ignore:
-            continue
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += differences(x, y, ignore, f"{name}.")
-        elif x != y:
-            out.append(f"{name}: {x} -> {y}")
-    return out
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:
@@ -50,7 +37,7 @@ class CacheSet:
         self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes) for p in paths]
         first = self.caches[0]
         for cache in self.caches[1:]:
-            diff = differences(first.spec, cache.spec, FREE_SPEC_FIELDS)
+            diff = spec_differences(first.spec, cache.spec, FREE_SPEC_FIELDS)
             if diff:
                 raise DFlashCacheError(
                     f"caches {first.root} and {cache.root} have different specs ({'; '.join(diff)}); "

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.stream.caches import differences
+from dflash_cache.store.manifest import spec_differences
 from dflash_cache.train.checkpoint import latest_checkpoint
 
 RUN_FILE = "run.json"
@@ -28,7 +28,7 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> Path | None:
         if not run_file.is_file():
             raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
         old = json.loads(run_file.read_text())
-        if diff := differences(old, json.loads(json.dumps(identity))):
+        if diff := spec_differences(old, json.loads(json.dumps(identity))):
             raise DFlashCacheError(f"--resume: {out} was started with a different config ({'; '.join(diff[:4])}); "
                                    "resume with the same options and caches, or choose another --out")
         checkpoint = latest_checkpoint(out)
