@@ -61,6 +61,19 @@ def make_samples(total_tokens: int, vocab: int, seed: int = 0) -> list[Sample]:
     return samples
 
 
+def profile_extraction(folder: Path, run) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run()
+    prof.export_chrome_trace(str(folder / "extract_trace.json"))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    (folder / "extract_profile.txt").write_text(table)
+    print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b-cut", "tiny"], default="qwen3-8b")
@@ -71,6 +84,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="cache directory (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compress-threads", type=int, default=12)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="after the timed runs, profile an extraction of 6 batches: a Chrome trace and a table in this folder")
     args = parser.parse_args()
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -91,25 +107,28 @@ def main() -> None:
     print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), random weights, bf16, sdpa")
     print(f"data: {len(samples)} samples, {tokens} tokens ({padded / tokens:.3f}x with padding), {len(batches)} batches of <= {args.batch_tokens} tokens; layers {layer_ids}; codec {args.codec}")
 
-    def bare() -> float:
+    def bare() -> tuple[float, float]:
+        """Seconds for all batches, and seconds until the last one was queued (a queue that runs
+        ahead of the GPU returns early; a forward that syncs inside does not)."""
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
             for batch in batches:
                 input_ids, _ = _padded([by_id[i] for i in batch], device)
                 model(input_ids=input_ids, use_cache=False)
+        queued = time.perf_counter() - start
         sync()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, queued
 
-    def extract() -> tuple[float, dict]:
+    def extract(run_batches: list[list[int]]) -> tuple[float, dict]:
         out = args.out or work / "cache"
         shutil.rmtree(out, ignore_errors=True)
         spec = {"target": {"name": args.shape, "model_type": config.model_type, "config_hash": target.config_hash,
                            "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
                 "layer_ids": layer_ids, "codec": args.codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
                 "max_length": 8192, "topk": 0}
-        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, batches=batches, samples=by_id,
-                      done=set(), first_shard_index=0, compress_threads=12)
+        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, batches=run_batches, samples=by_id,
+                      done=set(), first_shard_index=0, compress_threads=args.compress_threads)
         sync()
         start = time.perf_counter()
         summary = run_rank(job, target=target)
@@ -117,14 +136,17 @@ def main() -> None:
         return wall, {"bytes": summary.bytes, "wait_s": summary.wait_s}
 
     bare()  # warm-up: kernels, allocator
-    t_bare = bare()
-    t_extract, info = extract()
-    t_bare2 = bare()
+    extract(batches[:4])  # warm-up: the LM-head chunks, pinned staging memory (kept by torch's host cache)
+    t_bare, q_bare = bare()
+    t_extract, info = extract(batches)
+    t_bare2, _ = bare()
     t_bare = min(t_bare, t_bare2)
+    if args.profile:
+        profile_extraction(args.profile, lambda: extract(batches[:6]))
     result = {
         "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
         "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
-        "ratio": t_bare / t_extract, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
+        "ratio": t_bare / t_extract, "bare_queued_fraction": q_bare / t_bare, "compress_threads": args.compress_threads, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
     }
     print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s")

@@ -4,7 +4,7 @@ padding, sample checks and the out-of-memory split."""
 import pytest
 import torch
 
-from dflash_cache.extract.checks import check_sample
+from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import load_target
@@ -50,7 +50,8 @@ def test_hidden_matches_hf_reference(target_dir, dtype):
         alone = target.model(input_ids=input_ids[b : b + 1, :n], output_hidden_states=True).hidden_states
         for slot, i in enumerate(LAYERS[:-1]):
             torch.testing.assert_close(layer(out.hidden[b, :n], slot), alone[i + 1][0].bfloat16(), **tol)
-        assert check_sample(out.hidden[b, :n], LAYERS) is None
+    health = layer_health(out.hidden, LENGTHS, len(LAYERS)).numpy()
+    assert all(describe_problem(health[b], LAYERS, int(n)) is None for b, n in enumerate(LENGTHS.tolist()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -100,16 +101,20 @@ def test_without_labels_the_forward_stops_after_the_deepest_layer(target_dir):
     assert all(not target.layers[i]._forward_hooks for i in range(target.num_layers))
 
 
-def test_check_sample_reports_bad_layers():
-    hidden = torch.randn(10, 3 * 8).bfloat16()
-    assert check_sample(hidden, [1, 9, 17]) is None
-    zero = hidden.clone()
-    zero[:, 8:16] = 0
-    assert check_sample(zero, [1, 9, 17]) == "layer 9 is all zeros"
-    for bad in (float("nan"), float("inf")):
-        broken = hidden.clone()
-        broken[[2, 5], 20] = bad
-        assert check_sample(broken, [1, 9, 17]) == "layer 17 has NaN/Inf values at 2 of 10 tokens"
+def test_health_checks_report_bad_layers_and_ignore_padding():
+    layers = [1, 9, 17]
+    hidden = torch.randn(3, 10, 3 * 8).bfloat16()
+    lengths = torch.tensor([10, 6, 10])
+    hidden[1, 6:] = float("nan")  # padding: not a problem
+    hidden[0, :, 8:16] = 0  # sample 0: layer 9 all zeros
+    hidden[2, [2, 5], 20] = float("inf")  # sample 2: layer 17 broken at 2 tokens
+    health = layer_health(hidden, lengths, len(layers)).numpy()
+    assert describe_problem(health[0], layers, 10) == "layer 9 is all zeros"
+    assert describe_problem(health[1], layers, 6) is None
+    assert describe_problem(health[2], layers, 10) == "layer 17 has NaN/Inf values at 2 of 10 tokens"
+    hidden[2, 3, 0] = float("nan")
+    health = layer_health(hidden, lengths, len(layers)).numpy()
+    assert describe_problem(health[2], layers, 10) == "layer 1 has NaN/Inf values at 1 of 10 tokens"
 
 
 class FakeOOMRunner(TargetRunner):

@@ -1,22 +1,41 @@
-"""Sanity checks on captured hidden states before a sample may be committed."""
+"""Sanity checks on captured hidden states before a sample may be committed.
+
+Split in two so the thread driving the GPU never waits for a result: `layer_health` runs on the
+device over a whole batch and its small result travels to the host with the hidden states;
+`describe_problem` reads it there, on a compression thread.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def check_sample(hidden: torch.Tensor, layer_ids: list[int]) -> str | None:
-    """hidden: one sample's [T, L*H] capture. Returns what is wrong with it, or None.
+def layer_health(hidden: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """hidden: a right-padded batch's capture [B, T, L*H]; lengths: [B].
+
+    Returns int32 [B, 2, L] on hidden's device: per sample and layer, the number of real tokens with
+    a NaN/Inf value, and the number of real tokens with a nonzero value. Padding is ignored.
+    """
+    batch, seq, _ = hidden.shape
+    per_layer = hidden.view(batch, seq, num_layers, -1)
+    real = torch.arange(seq, device=hidden.device) < lengths.to(hidden.device)[:, None]  # [B, T]
+    counts = torch.empty(batch, 2, num_layers, dtype=torch.int32, device=hidden.device)
+    for layer in range(num_layers):  # one layer at a time bounds the temporary masks
+        x = per_layer[:, :, layer]
+        counts[:, 0, layer] = ((~torch.isfinite(x)).any(-1) & real).sum(1)
+        counts[:, 1, layer] = ((x != 0).any(-1) & real).sum(1)
+    return counts
+
+
+def describe_problem(health: np.ndarray, layer_ids: list[int], num_tokens: int) -> str | None:
+    """health: one sample's [2, L] from `layer_health`. Returns what is wrong with it, or None.
 
     All-zero layers are the known symptom of a hook that captured the wrong thing on hybrid models.
     """
-    per_layer = hidden.view(hidden.shape[0], len(layer_ids), -1)
-    nonfinite = (~torch.isfinite(per_layer)).any(dim=2).sum(dim=0)  # [L] tokens with a NaN/Inf
-    zero = (per_layer == 0).all(dim=2).all(dim=0)  # [L]
-    flags = torch.stack([nonfinite, zero.long()]).tolist()  # one device sync
-    for layer, bad_tokens, all_zero in zip(layer_ids, *flags):
+    for layer, bad_tokens, nonzero_tokens in zip(layer_ids, health[0].tolist(), health[1].tolist()):
         if bad_tokens:
-            return f"layer {layer} has NaN/Inf values at {bad_tokens} of {hidden.shape[0]} tokens"
-        if all_zero:
+            return f"layer {layer} has NaN/Inf values at {bad_tokens} of {num_tokens} tokens"
+        if not nonzero_tokens:
             return f"layer {layer} is all zeros"
     return None

@@ -88,7 +88,10 @@ class TargetRunner:
         device = final.device
         lengths = lengths.cpu()
         # Flat indices of the real tokens, built on the CPU so the GPU never syncs for them.
-        flat = torch.cat([b * seq + torch.arange(int(n)) for b, n in enumerate(lengths)]).to(device, non_blocking=True)
+        flat = torch.cat([b * seq + torch.arange(int(n)) for b, n in enumerate(lengths)])
+        if device.type == "cuda":
+            flat = flat.pin_memory()  # an asynchronous copy needs pinned memory
+        flat = flat.to(device, non_blocking=True)
         tokens = final.reshape(batch * seq, width)
         head = self.target.model.get_output_embeddings()
         k = self.topk

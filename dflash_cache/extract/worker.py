@@ -1,11 +1,13 @@
 """One extraction rank: the target runs on this process's main thread; threads only compress and write.
 
-    main thread   batch -> target forward (hooks) -> checks -> encode on the device -> async D2H
-    thread pool   wait for the copy -> compress -> Row
+    main thread   batch -> target forward (hooks) -> health counts and encode on the device
+                  -> async copy on a side stream into a reusable host slot
+    thread pool   wait for the copy -> check -> compress -> Row -> give the slot back
     writer thread rows in order -> ShardWriter (tmp, fsync, rename, journal)
 
-The queue between the main thread and the writer is bounded, so host memory stays bounded; the time
-the main thread spends blocked on it is reported as time waiting on the disk.
+The main thread never waits for the GPU: it only queues work, so the GPU runs back to back. It
+blocks only when every staging slot is taken or the writer's queue is full, which bounds host
+memory; that time is reported as time waiting on the disk.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import torch
 from dflash_cache import faults
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.checks import check_sample
+from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
-from dflash_cache.store.codecs import compress, encode
+from dflash_cache.store.codecs import compress, encode, encoded_size
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
@@ -50,7 +52,8 @@ class RankJob:
     on_bad_sample: str = "error"
     max_shard_bytes: int = 512 << 20
     compress_threads: int = 4
-    queue_depth: int = 8
+    staging_slots: int = 4  # host buffers of a whole batch's hidden states (pinned on a GPU)
+    queue_depth: int = 4  # parts compressed and waiting for the writer
     write_target_files: bool = False
     uploader: Uploader | None = None  # extraction to a remote cache: `root` is the staging folder
 
@@ -84,27 +87,110 @@ class _Skip:
     reason: str
 
 
+class _StagingRing:
+    """Reusable host buffers for the device-to-host copies of hidden-state planes, pinned on a GPU.
+
+    `take` blocks while every slot is in use: that bounds host memory and is where the thread that
+    drives the GPU waits when compression or the disk fall behind. Slots are allocated on first use
+    and then kept for the whole run (pinning memory is slow).
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, pin: bool):
+        self.free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        for _ in range(slots):
+            self.free.put(None)
+        self.slot_bytes, self.pin = slot_bytes, pin
+
+    def take(self, nbytes: int, check: Callable[[], None]) -> tuple[torch.Tensor, float]:
+        """A free slot of at least `nbytes` and the seconds spent waiting for it; `check` runs while
+        waiting and may raise (a dead writer gives no slot back)."""
+        start = time.perf_counter()
+        while True:
+            check()
+            try:
+                slot = self.free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        waited = time.perf_counter() - start
+        if slot is None or slot.numel() < nbytes:
+            slot = torch.empty(max(nbytes, self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        return slot, waited
+
+    def give(self, slot: torch.Tensor) -> None:
+        self.free.put(slot)
+
+
+class _Countdown:
+    """Calls `action` once, on the `count`-th call."""
+
+    def __init__(self, count: int, action: Callable[[], None]):
+        self.count, self.action, self.lock = count, action, threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.count -= 1
+            last = self.count == 0
+        if last:
+            self.action()
+
+
 @dataclass
 class _HostCopy:
-    """Device-to-host copies of one part's outputs, into pinned memory; `ready` says when done."""
+    """One part's outputs on the host, the copies in flight until `ready`. Each new sample of the
+    part holds a share of the staging slot and gives it back through `release`."""
 
-    planes: torch.Tensor
-    scales: torch.Tensor | None
-    target_ids: torch.Tensor
-    topk_ids: torch.Tensor | None
-    topk_logprobs: torch.Tensor | None
+    planes: torch.Tensor  # uint8 staging slot: the new samples' encoded planes, one after another
+    health: torch.Tensor  # int32 [b, 2, L], see checks.layer_health
+    target_ids: torch.Tensor  # int32 [b, t]
+    scales: torch.Tensor | None  # fp32 [new samples' tokens, L] (fp8-zstd)
+    topk_ids: torch.Tensor | None  # int32 [b, t, K]
+    topk_logprobs: torch.Tensor | None  # fp32 [b, t, K]
     ready: torch.cuda.Event | None
+    release: Callable[[], None]
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
 
 
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+@dataclass
+class _RowTask:
+    """Where one sample's results lie in its part's host copy."""
+
+    sample: Sample
+    index: int  # row in the part's batch
+    planes: slice  # bytes of the staging slot
+    scales_start: int  # first row in `scales`
+
+
+def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int], on_bad_sample: str) -> Row | _Skip:
+    try:
+        copy.wait()
+        faults.point("extract.compress")
+        sample, b = task.sample, task.index
+        n = len(sample.input_ids)
+        problem = describe_problem(copy.health[b].numpy(), layer_ids, n)
+        if problem is not None:
+            if on_bad_sample == "error":
+                raise DFlashCacheError(f"sample {sample.sample_id}: {problem}; "
+                                       "rerun with --on-bad-sample skip to leave such samples out")
+            return _Skip(sample.sample_id, problem)
+        scales = None if copy.scales is None else copy.scales[task.scales_start : task.scales_start + n]
+        row = Row(
+            sample_id=sample.sample_id,
+            input_ids=sample.input_ids,
+            loss_mask=sample.loss_mask,
+            target_ids=copy.target_ids[b, :n].numpy(),
+            hidden=compress(copy.planes[task.planes].numpy(), codec),
+            hidden_scales=None if scales is None else scales.numpy().tobytes(),
+            topk_ids=None if copy.topk_ids is None else copy.topk_ids[b, :n].numpy(),
+            topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[b, :n].numpy(),
+        )
+        row.record_batch  # noqa: B018 - build (and checksum) it here, in parallel, not on the writer thread
+        return row
+    finally:
+        copy.release()
 
 
 def _padded(samples: list[Sample], device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,25 +201,6 @@ def _padded(samples: list[Sample], device: str) -> tuple[torch.Tensor, torch.Ten
     if device != "cpu":
         ids = ids.pin_memory().to(device, non_blocking=True)
     return ids, lengths
-
-
-def _make_row(sample: Sample, copy: _HostCopy, start: int, stop: int, token_start: int, codec: str, layers: int) -> Row:
-    copy.wait()
-    faults.point("extract.compress")
-    n = len(sample.input_ids)
-    tokens = slice(token_start, token_start + n)
-    row = Row(
-        sample_id=sample.sample_id,
-        input_ids=sample.input_ids,
-        loss_mask=sample.loss_mask,
-        target_ids=copy.target_ids[tokens].numpy().astype(np.int32),
-        hidden=compress(copy.planes[start:stop].numpy(), codec),
-        hidden_scales=None if copy.scales is None else copy.scales[tokens].numpy().tobytes(),
-        topk_ids=None if copy.topk_ids is None else copy.topk_ids[tokens].numpy().astype(np.int32),
-        topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[tokens].numpy(),
-    )
-    row.record_batch  # noqa: B018 - build (and checksum) it here, in parallel, not on the writer thread
-    return row
 
 
 class _Writer(threading.Thread):
@@ -206,14 +273,21 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         if job.uploader is not None:
             job.uploader.upload_target()
         shards.record_target_files(hash_target_files(job.root / "target"))
-    layer_ids = job.spec["layer_ids"]
     codec = job.spec["codec"]
-    runner = TargetRunner(target, layer_ids, topk=job.spec["topk"])
+    runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
+    largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
+    on_gpu = torch.device(job.device).type == "cuda"
+    encoder = _PartEncoder(job, _StagingRing(job.staging_slots, encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids)), on_gpu),
+                           torch.cuda.Stream(job.device) if on_gpu else None)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
-    pool = ThreadPoolExecutor(job.compress_threads, thread_name_prefix=f"compress-r{job.rank}")
     started = time.perf_counter()
     wait_s = 0.0
+
+    def check_writer() -> None:
+        if writer.error is not None:
+            raise writer.error
+
     try:
         for batch in job.batches:
             pending = list(batch)
@@ -222,11 +296,11 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
                 faults.point("extract.forward")
                 try:
                     for part in run_with_split(runner, input_ids, lengths, pending):
-                        futures = _encode_part(part, job, pool, codec, layer_ids)
+                        futures, waited = encoder.encode(part, check_writer)
                         if futures:
-                            waited = writer.put(futures)
-                            wait_s += waited
-                            report(Progress(job.rank, wait_s=waited))
+                            waited += writer.put(futures)
+                        wait_s += waited
+                        report(Progress(job.rank, wait_s=waited))
                     pending = []
                 except SampleOutOfMemory as e:
                     if job.on_bad_sample == "error":
@@ -240,7 +314,7 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         writer.writer.abort()
         raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        encoder.pool.shutdown(wait=False, cancel_futures=True)
     summary = writer.summary
     summary.compute_s = time.perf_counter() - started
     summary.wait_s = wait_s
@@ -253,41 +327,61 @@ def _done(result) -> Future:
     return future
 
 
-def _encode_part(part: Part, job: RankJob, pool: ThreadPoolExecutor, codec: str, layer_ids: list[int]) -> list[Future]:
-    """Check and encode every new sample of a part on the device, start one async copy to the host,
-    and hand each sample's compression to the pool."""
-    out = part.output
-    kept: list[tuple[Sample, int]] = []
-    futures: list[Future] = []
-    planes, scales, target_ids, topk_ids, topk_logprobs = [], [], [], [], []
-    for b, sid in enumerate(part.sample_ids):
-        if sid in job.done:
-            continue
-        n = int(part.lengths[b])
-        hidden = out.hidden[b, :n]
-        problem = check_sample(hidden, layer_ids)
-        if problem is not None:
-            if job.on_bad_sample == "error":
-                raise DFlashCacheError(f"sample {sid}: {problem}; rerun with --on-bad-sample skip to leave such samples out")
-            futures.append(_done(_Skip(sid, problem)))
-            continue
-        encoded = encode(hidden, codec, len(layer_ids))
-        kept.append((job.samples[sid], encoded.planes.numel()))
-        planes.append(encoded.planes)
-        scales.append(encoded.scales)
-        target_ids.append(out.target_ids[b, :n])
-        if out.topk_ids is not None:
-            topk_ids.append(out.topk_ids[b, :n])
-            topk_logprobs.append(out.topk_logprobs[b, :n])
-    if kept:
-        cat = lambda ts: torch.cat(ts) if ts and ts[0] is not None else None  # noqa: E731
-        copy = _HostCopy(*(_to_host(cat(ts)) for ts in (planes, scales, target_ids, topk_ids, topk_logprobs)), ready=None)
-        if out.hidden.device.type == "cuda":
-            copy.ready = torch.cuda.Event()
-            copy.ready.record()
-        start = token_start = 0
-        for sample, size in kept:
-            futures.append(pool.submit(_make_row, sample, copy, start, start + size, token_start, codec, len(layer_ids)))
+class _PartEncoder:
+    """Turns a part's device outputs into futures of rows, without waiting for the device: health
+    counts and encoding are queued on the GPU, the copies go to the host on a side stream (so they
+    overlap the next forward), and the pool checks and compresses each sample once its copy lands."""
+
+    def __init__(self, job: RankJob, ring: _StagingRing, copy_stream: torch.cuda.Stream | None):
+        self.job, self.ring, self.copy_stream = job, ring, copy_stream
+        self.codec, self.layer_ids = job.spec["codec"], job.spec["layer_ids"]
+        self.pool = ThreadPoolExecutor(job.compress_threads, thread_name_prefix=f"compress-r{job.rank}")
+
+    def encode(self, part: Part, check: Callable[[], None]) -> tuple[list[Future], float]:
+        """The part's futures, in sample order, and the seconds spent waiting for a staging slot."""
+        out = part.output
+        new = [b for b, sid in enumerate(part.sample_ids) if sid not in self.job.done]
+        if not new:
+            return [], 0.0
+        num_layers = len(self.layer_ids)
+        health = layer_health(out.hidden, part.lengths, num_layers)
+        encoded = [encode(out.hidden[b, : int(part.lengths[b])], self.codec, num_layers) for b in new]
+        slot, waited = self.ring.take(sum(e.planes.numel() for e in encoded), check)
+        tasks, start, scales_start = [], 0, 0
+        for b, e in zip(new, encoded):
+            size = e.planes.numel()
+            tasks.append(_RowTask(self.job.samples[part.sample_ids[b]], b, slice(start, start + size), scales_start))
             start += size
-            token_start += len(sample.input_ids)
-    return futures
+            scales_start += int(part.lengths[b])
+        sources = [
+            health,
+            out.target_ids.to(torch.int32),
+            torch.cat([e.scales for e in encoded]) if encoded[0].scales is not None else None,
+            None if out.topk_ids is None else out.topk_ids.to(torch.int32),
+            out.topk_logprobs,
+        ]
+        hosts, ready = self._copy([e.planes for e in encoded], [slot[t.planes] for t in tasks], sources)
+        copy = _HostCopy(slot, *hosts, ready=ready, release=_Countdown(len(tasks), lambda: self.ring.give(slot)))
+        args = (copy, self.codec, self.layer_ids, self.job.on_bad_sample)
+        return [self.pool.submit(_make_row, task, *args) for task in tasks], waited
+
+    def _copy(self, planes: list[torch.Tensor], slots: list[torch.Tensor], sources: list[torch.Tensor | None]):
+        """Copy each of `planes` into its slot view and each source to new host memory."""
+        if self.copy_stream is None:  # on the CPU the outputs already are host tensors
+            for src, dst in zip(planes, slots):
+                dst.copy_(src)
+            return sources, None
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            for src, dst in zip(planes, slots):
+                src.record_stream(self.copy_stream)  # freed by the main thread, still read here
+                dst.copy_(src, non_blocking=True)
+            hosts = []
+            for src in sources:
+                if src is not None:
+                    src.record_stream(self.copy_stream)
+                    src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src, non_blocking=True)
+                hosts.append(src)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return hosts, ready
