@@ -6,9 +6,30 @@ from dflash_cache.train.train import train
 
 
 @click.command("train")
-@click.option("--cache", "caches", required=True, multiple=True, type=click.Path(),
+@click.option("--cache", "caches", multiple=True, type=click.Path(),
               help="Cache directory written by `extract`, or its fsspec URL (s3://bucket/prefix). Repeat to train "
                    "on the union of several caches (same target, layers, codec and tokenizer).")
+@click.option("--live-target", type=click.Path(),
+              help="Instead of --cache: a Hugging Face model directory run beside the drafter, computing every batch "
+                   "as coupled pipelines do (the baseline a cache is measured against). Needs --data.")
+@click.option("--data", multiple=True, type=click.Path(),
+              help="With --live-target: the data files, as for `extract --data` (conversations JSONL or pre-tokenized "
+                   "Parquet/Arrow/JSONL). Repeatable.")
+@click.option("--layers", type=INT_LIST,
+              help="With --live-target: target layers to feed the drafter, e.g. 1,16,31,46,61 (as for extract).")
+@click.option("--num-draft-layers", type=int,
+              help="With --live-target: N layers spread evenly from 1 to num_layers-3. Default 5 when --layers is "
+                   "not given.")
+@click.option("--target-gpus", type=INT_LIST,
+              help="With --live-target: the GPU of each training rank's own copy of the target, in --gpus order "
+                   "(--target-gpus 0 --gpus 1: target on GPU 0 feeding the drafter on GPU 1). Default: each rank's "
+                   "training GPU.")
+@click.option("--max-length", type=int, default=8192, show_default=True,
+              help="With --live-target: longer samples are truncated (as for extract).")
+@click.option("--exact-target", is_flag=True,
+              help="With --live-target: run each sample alone through the target, as `extract --token-budget 1` "
+                   "does, so the losses equal those of training from such a bf16-zstd cache bit for bit (slower). "
+                   "Default: a batch's samples in padded target forwards of at most --token-budget tokens.")
 @click.option("--out", required=True, type=click.Path(),
               help="Run directory: metrics.jsonl, TensorBoard files in tb/, checkpoints/step-N/. Must be new or "
                    "empty, unless --resume.")
@@ -54,16 +75,23 @@ from dflash_cache.train.train import train
                    "each sample by byte ranges).")
 @click.option("--local-cache-size", type=float,
               help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
-def command(caches, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
+def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
             grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, log_every, resume,
             seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
+    With --live-target instead of --cache, the target runs beside the drafter and computes each batch
+    when the step needs it (the coupled baseline); everything after the source is the same.
+
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
     checkpoint into the reference layout. Weights are fp32 and the step runs under bf16 autocast.
     """
+    if live_target is not None and layers is None and num_draft_layers is None:
+        num_draft_layers = 5
     config = TrainConfig(
-        caches=list(caches), out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
+        caches=list(caches), live_target=live_target, data=list(data), layers=layers,
+        num_draft_layers=num_draft_layers, target_gpus=target_gpus, max_length=max_length, exact_target=exact_target,
+        out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
         token_budget=token_budget, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
         grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, gamma=gamma, labels=labels,
         compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,

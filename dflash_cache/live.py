@@ -47,11 +47,13 @@ class LiveSource:
     that skipped bad samples has fewer keys, so its keys and these part ways after the first skip).
 
     Reading the target's config and tokenizing the data happen at construction; the weights load on
-    the first call that needs them (`head`, `batches`)."""
+    the first call that needs them (`head`, `batches`). `target` may also be a Target already loaded
+    (benchmarks build one in place): its folder then gives the config and tokenizer, its model the
+    device."""
 
     def __init__(
         self,
-        target: str | Path,
+        target: str | Path | Target,
         data: Sequence[str | Path],
         layers: list[int] | None = None,
         num_draft_layers: int | None = None,
@@ -61,9 +63,10 @@ class LiveSource:
     ):
         if forward_tokens is not None and forward_tokens < 1:
             raise DFlashCacheError(f"forward_tokens must be positive (got {forward_tokens}).")
-        self.info = read_target_info(target)
+        built = target if isinstance(target, Target) else None
+        self.info = read_target_info(built.path if built else target)
         self.layer_ids = resolve_layer_ids(self.info.num_layers, layers, num_draft_layers)
-        self.device = torch.device(device)
+        self.device = built.model.device if built else torch.device(device)
         self.forward_tokens = forward_tokens
         tokenizer = AutoTokenizer.from_pretrained(self.info.path, local_files_only=True)
         loaded = load_samples(list(data), tokenizer, max_length)
@@ -71,7 +74,7 @@ class LiveSource:
         self.lengths: list[int] = [len(s.input_ids) for s in self.samples]
         self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, loaded.source_hash, max_length, topk=0)
         self.width = len(self.layer_ids) * self.info.hidden_size
-        self._runner: TargetRunner | None = None
+        self._runner: TargetRunner | None = TargetRunner(built, self.layer_ids) if built else None
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dflash_cache.errors import DFlashCacheError
 
 
 @dataclass
 class TrainConfig:
-    caches: list[str]  # folders or fsspec URLs (s3://bucket/prefix)
     out: str
+    caches: list[str] = field(default_factory=list)  # folders or fsspec URLs (s3://bucket/prefix)
+    # Instead of caches, a live target (the coupled baseline): it computes every batch beside the drafter.
+    live_target: str | None = None  # a Hugging Face model directory
+    data: list[str] = field(default_factory=list)  # the data files it runs over, as for extract
+    layers: list[int] | None = None  # the target layers to feed the drafter (or num_draft_layers)
+    num_draft_layers: int | None = None
+    target_gpus: list[int] | None = None  # the target's GPU for each local rank; None: each rank's own device
+    max_length: int = 8192
+    exact_target: bool = False  # one sample per target forward: bit-exact against a --token-budget 1 cache
     drafter: str = "qwen3.6-27b"  # a preset name or a JSON file of drafter config fields
     gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
     cpu_procs: int = 0  # > 0: train on the CPU with this many processes (gloo DDP), GPUs or not
@@ -42,6 +50,7 @@ class TrainConfig:
     local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
 
     def check(self) -> None:
+        self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
                     "eval_every": self.eval_every, "save_every": self.save_every, "log_every": self.log_every,
                     "prefetch": self.prefetch, "workers": self.workers}
@@ -82,6 +91,27 @@ class TrainConfig:
             raise DFlashCacheError("--gpus is empty; name at least one GPU, or leave it out to use every visible GPU")
         if self.gpus is not None and len(set(self.gpus)) != len(self.gpus):
             raise DFlashCacheError(f"--gpus lists a GPU twice: {self.gpus}")
+
+    def check_source(self) -> None:
+        """Exactly one of --cache and --live-target, and the options of the other one left out."""
+        if self.caches and self.live_target is not None:
+            raise DFlashCacheError("give --cache or --live-target, not both")
+        if self.live_target is None:
+            if not self.caches:
+                raise DFlashCacheError("give --cache CACHE, or --live-target MODEL_DIR with --data FILE")
+            live_only = {"data": self.data, "layers": self.layers, "num_draft_layers": self.num_draft_layers,
+                         "target_gpus": self.target_gpus, "exact_target": self.exact_target}
+            if given := [name for name, value in live_only.items() if value]:
+                raise DFlashCacheError(f"--{given[0].replace('_', '-')} applies only with --live-target")
+            return
+        if not self.data:
+            raise DFlashCacheError("--live-target needs --data FILE: the samples the target runs over")
+        if self.local_cache is not None:
+            raise DFlashCacheError("--local-cache applies only with --cache")
+        if self.target_gpus is not None and not self.target_gpus:
+            raise DFlashCacheError("--target-gpus is empty; name one GPU per training rank, or leave it out")
+        if self.max_length < 2:
+            raise DFlashCacheError(f"--max-length must be at least 2 (got {self.max_length})")
 
     def trajectory(self) -> dict:
         """The options that decide the losses of a run: a resumed run must have the same ones."""

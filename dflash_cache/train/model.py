@@ -1,4 +1,4 @@
-"""The drafter a run trains: its config fitted to the caches, and the frozen target head they carry."""
+"""The drafter a run trains: its config fitted to the source's target, and the frozen target head."""
 
 from __future__ import annotations
 
@@ -33,12 +33,11 @@ def tokenizer_mask_token(target_dir: Path) -> int | None:
     return next((t["id"] for t in added if t.get("content") == name), None) if name else None
 
 
-def drafter_config_for(name_or_path: str, caches: CacheSet) -> tuple[DrafterConfig, list[str]]:
-    """The drafter config fitted to the caches (a preset adapts; a JSON file must already match),
-    and one line per change. The mask token is the tokenizer's if it declares one."""
-    spec = caches.spec
+def drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tuple[DrafterConfig, list[str]]:
+    """The drafter config fitted to the target of a cache spec (a preset adapts; a JSON file must already
+    match), and one line per change. The mask token is the tokenizer's if it declares one."""
     config = load_drafter_config(name_or_path)
-    mask = tokenizer_mask_token(caches.head_dir)
+    mask = tokenizer_mask_token(tokenizer_dir)
     return adapt_to_cache(config, target_hidden_size=spec["target"]["hidden_size"],
                           vocab_size=spec["target"]["vocab_size"],
                           mask_token_id=config.mask_token_id if mask is None else mask,
@@ -54,9 +53,8 @@ def check_head(caches: CacheSet) -> Path:
     return path
 
 
-def build_drafter(config: DrafterConfig, caches: CacheSet, device: torch.device, seed: int) -> DFlashDrafter:
+def build_drafter(config: DrafterConfig, head: TargetHead, device: torch.device, seed: int) -> DFlashDrafter:
     """fp32 weights initialised from `seed` (the same on every rank), with the bf16 target head."""
-    head = TargetHead.load(check_head(caches), device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DFlashDrafter(config)

@@ -1,4 +1,4 @@
-"""`train`: DFlash drafter training from one or more caches, top to bottom.
+"""`train`: DFlash drafter training from one or more caches (or a live target), top to bottom.
 
 Precision: the drafter's weights, gradients and AdamW state are fp32 (the master weights); forward
 and backward run under bf16 autocast. The frozen target head (embeddings, LM head) stays bf16.
@@ -25,7 +25,6 @@ from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -33,7 +32,6 @@ from dflash_cache.stream.epochs import (
     batch_seed,
     held_out_batches,
 )
-from dflash_cache.stream.loader import Loader
 from dflash_cache.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -54,9 +52,10 @@ from dflash_cache.train.distributed import (
     under_torchrun,
 )
 from dflash_cache.train.metrics import MetricsLog
-from dflash_cache.train.model import build_drafter, check_head, drafter_config_for
+from dflash_cache.train.model import build_drafter, drafter_config_for
 from dflash_cache.train.optim import build_optimizer, build_scheduler
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
+from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
@@ -73,54 +72,60 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
             device = f"cuda:{cfg.gpus[local] if cfg.gpus else local}"
         else:
             device = "cpu"
+        check_target_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if rank == 0:
             prepare(cfg, world, echo)
-        run_rank(rank, world, device, cfg, echo)
+        run_rank(rank, world, device, cfg, echo, local)
         return
     devices = plan_devices(cfg.gpus, cfg.cpu_procs)
+    check_target_gpus(cfg, len(devices))
     prepare(cfg, len(devices), echo)
     launch(run_rank, devices, (cfg, echo))
 
 
 def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
-    """Bad input fails here, before any process is spawned: caches, drafter config, run folder, plan."""
-    caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes)
-    check_head(caches)  # first: it checks the target files the drafter config reads
-    config, notes = drafter_config_for(cfg.drafter, caches)
-    identity = run_identity(cfg.trajectory(), world, [c.spec for c in caches.caches],
-                            [len(c) for c in caches.caches], config.to_dict())
-    checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
-    train_keys, eval_keys = caches.split(cfg.eval_fraction)
-    plan = EpochPlan(train_keys, caches.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
-    total = plan.total_steps(cfg.epochs, cfg.steps)
-    for note in notes:
-        echo(f"drafter config: {note}")
-    echo(f"{len(caches)} samples in {len(caches.caches)} cache(s): {len(train_keys)} to train on, "
-         f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps")
-    for line in plan.describe(0):
-        echo(line)
-    if checkpoint is not None:
-        echo(f"resuming from {checkpoint}")
+    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan."""
+    source = open_source(cfg)  # a live target's weights are not loaded here
+    try:
+        source.check()  # first: it checks the target files the drafter config reads
+        config, notes = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
+        identity = run_identity(cfg.trajectory(), world, *source.identity(), config.to_dict())
+        checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
+        train_keys, eval_keys = source.split(cfg.eval_fraction)
+        plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
+        total = plan.total_steps(cfg.epochs, cfg.steps)
+        for note in notes:
+            echo(f"drafter config: {note}")
+        echo(f"{source.describe()}: {len(train_keys)} to train on, "
+             f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps")
+        for line in plan.describe(0):
+            echo(line)
+        if checkpoint is not None:
+            echo(f"resuming from {checkpoint}")
+    finally:
+        source.close()
 
 
-def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo) -> None:
+def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None) -> None:
+    """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index)."""
     me = init_rank(rank, world, device, cfg.collective_timeout_s)
     try:
-        run(me, cfg, echo if me.is_main else None)
+        source = open_source(cfg, target_device(cfg, rank if local is None else local, device))
+        run(me, cfg, echo if me.is_main else None, source)
     finally:
         shutdown()
 
 
-def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
+def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source) -> None:
+    """This rank's training loop, fed by `source` (closed at the end)."""
     out = Path(cfg.out)
-    caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes)
-    train_keys, eval_keys = caches.split(cfg.eval_fraction)
-    plan = EpochPlan(train_keys, caches.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
+    train_keys, eval_keys = source.split(cfg.eval_fraction)
+    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
     total = plan.total_steps(cfg.epochs, cfg.steps)
-    held_out = held_out_batches(eval_keys, caches.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
+    held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
 
-    config, _ = drafter_config_for(cfg.drafter, caches)
-    model = build_drafter(config, caches, me.device, cfg.seed)
+    config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
+    model = build_drafter(config, source.head(me.device), me.device, cfg.seed)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * total)
     scheduler = build_scheduler(optimizer, warmup, total, cfg.min_lr_ratio)
@@ -136,7 +141,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
     anchor_budget = None
     if cfg.compile:
         anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
-        token_budget = max(cfg.token_budget, max(caches.lengths[k] for k in train_keys))
+        token_budget = max(cfg.token_budget, max(source.lengths[k] for k in train_keys))
         runner = DrafterRunner(ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget,
                                backend=cfg.compile_backend)
     else:
@@ -153,7 +158,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
             epoch = position["epoch"]
             batches = plan.rank_batches(epoch, me.rank)
             start = position["epoch_step"] * cfg.grad_accum
-            with Loader(caches, batches[start:], me.device, cfg.prefetch, cfg.workers) as loader:
+            with source.batches(batches[start:], me.device) as loader:
                 tick = time.perf_counter()
                 for local in range(start, len(batches), cfg.grad_accum):
                     if position["step"] >= total:
@@ -161,9 +166,9 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
                     micro = [(plan.global_index(local + i, me.rank), next(loader)) for i in range(cfg.grad_accum)]
                     lr = scheduler.get_last_lr()[0]
                     stats, grad_norm, losses = train_step(runner, ddp, micro, cfg, me, epoch, config.block_size,
-                                                          anchor_budget, position["step"], caches)
+                                                          anchor_budget, position["step"], source)
                     if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
-                        handle_nonfinite([b for _, b in micro], losses, cfg, position["step"] + 1, caches)
+                        handle_nonfinite([b for _, b in micro], losses, cfg, position["step"] + 1, source)
                         position["skipped"] += 1
                         optimizer.zero_grad(set_to_none=True)
                     else:
@@ -178,7 +183,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
                     faults.point("train.step")
                     step = position["step"]
                     if eval_keys and (step % cfg.eval_every == 0 or step == total):  # every rank, even one with no batch
-                        result = evaluate(eval_runner, caches, held_out, cfg, me, config.block_size)
+                        result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size)
                         if log is not None:
                             log.eval({"step": step, **result})
                     if step % cfg.save_every == 0 or step == total:
@@ -193,11 +198,11 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None) -> None:
     finally:
         if log is not None:
             log.close()
-        caches.close()
+        source.close()
 
 
 def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[int, FeatureBatch]], cfg: TrainConfig,
-               me: Rank, epoch: int, block_size: int, anchor_budget: int | None, step: int, caches: CacheSet
+               me: Rank, epoch: int, block_size: int, anchor_budget: int | None, step: int, source: Source
                ) -> tuple[list[float], float, list[torch.Tensor]]:
     """Forward and backward of this rank's micro-batches; gradients averaged over ranks by DDP.
     Returns the step's STATS summed over every rank, the gradient norm before clipping, and this
@@ -215,7 +220,7 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
                     out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
                 (out.loss / len(micro)).backward()
         except torch.OutOfMemoryError:
-            raise DFlashCacheError(f"out of GPU memory at step {step + 1} on {describe_batch(batch, caches)}; "
+            raise DFlashCacheError(f"out of GPU memory at step {step + 1} on {describe_batch(batch, source)}; "
                                    "lower --token-budget or --max-anchors") from None
         stats += torch.stack([out.loss.detach().double(), (out.tau * out.num_blocks).double(),
                               out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
@@ -226,16 +231,15 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
     return values[:STATS], values[STATS], losses
 
 
-def describe_batch(batch: FeatureBatch, caches: CacheSet, limit: int = 16) -> str:
+def describe_batch(batch: FeatureBatch, source: Source, limit: int = 16) -> str:
     ids = ", ".join(str(s) for s in batch.sample_ids[:limit]) + (", ..." if len(batch.sample_ids) > limit else "")
-    where = "" if len(caches.caches) == 1 else " (union of caches)"
-    return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){where}"
+    return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){source.where}"
 
 
 def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cfg: TrainConfig, step: int,
-                     caches: CacheSet) -> None:
+                     source: Source) -> None:
     """Skip the step (--skip-nonfinite) or stop every rank with the same message naming the batches."""
-    bad = [describe_batch(b, caches) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
+    bad = [describe_batch(b, source) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
     everywhere = [b for rank_bad in all_gather_objects(bad) for b in rank_bad]
     if cfg.skip_nonfinite:
         return
@@ -244,10 +248,10 @@ def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cf
 
 
 @torch.no_grad()
-def evaluate(runner: DrafterRunner, caches: CacheSet, held_out: list[tuple[int, list[int]]], cfg: TrainConfig,
+def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, list[int]]], cfg: TrainConfig,
              me: Rank, block_size: int) -> dict:
     stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
-    with Loader(caches, [b for _, b in held_out], me.device, cfg.prefetch, cfg.workers) as loader:
+    with source.batches([b for _, b in held_out], me.device) as loader:
         for (index, _), batch in zip(held_out, loader):
             generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator)
