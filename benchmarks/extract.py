@@ -1,7 +1,7 @@
 """Extraction throughput against the bare forward of the same target on the same batches.
 
-    python benchmarks/extract.py [--shape qwen3-8b|qwen3.6-27b-cut] [--layers-cut N] [--tokens 400000]
-                                 [--batch-tokens 16384] [--codec bf16-zstd] [--out DIR]
+    PYTHONPATH=. python benchmarks/extract.py [--shape qwen3-8b|qwen3.6-27b-cut] [--layers-cut N] [--tokens 400000]
+                                              [--batch-tokens 16384] [--codec bf16-zstd] [--out DIR]
 
 A random-weight target is built on the GPU from a config (no weights on disk): Qwen3-8B shape
 (36 layers, hidden 4096) or a Qwen3.6-27B-shaped hybrid qwen3_5 text model cut to fewer layers.
@@ -21,44 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5TextConfig
 
-from dflash_cache.data.dataset import Sample
+from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.plan import plan_batches
-from dflash_cache.extract.info import config_hash
-from dflash_cache.extract.target import Target, resolve_layer_ids
+from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, _padded, run_rank
-
-VOCAB = 151936
-
-
-def target_config(shape: str, layers_cut: int | None):
-    if shape == "tiny":  # a smoke test of this script on the CPU
-        return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
-    if shape == "qwen3-8b":
-        return Qwen3Config(vocab_size=VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                           rope_theta=1e6, tie_word_embeddings=False)
-    layers = layers_cut or 64
-    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
-                             num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                             linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-                             tie_word_embeddings=False)
-
-
-def make_samples(total_tokens: int, vocab: int, seed: int = 0) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    samples, tokens = [], 0
-    while tokens < total_tokens:
-        n = int(np.exp(rng.uniform(np.log(256), np.log(4096))))
-        ids = rng.integers(0, vocab, n).astype(np.int32)
-        samples.append(Sample(len(samples), ids, np.ones(n, dtype=bool)))
-        tokens += n
-    return samples
 
 
 def profile_extraction(folder: Path, run) -> None:
@@ -76,7 +44,7 @@ def profile_extraction(folder: Path, run) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b-cut", "tiny"], default="qwen3-8b")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b")
     parser.add_argument("--layers-cut", type=int, default=None, help="layers of the cut 27B shape (a multiple of 4)")
     parser.add_argument("--tokens", type=int, default=400_000)
     parser.add_argument("--batch-tokens", type=int, default=16384)
@@ -91,13 +59,9 @@ def main() -> None:
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     config = target_config(args.shape, args.layers_cut)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval().requires_grad_(False)
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    config.save_pretrained(work / "target")
-    target = Target(path=work / "target", model=model, tokenizer=None, config=config, num_layers=config.num_hidden_layers,
-                    hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash=config_hash(work / "target" / "config.json"))
+    target = build_target(config, device, work / "target")
+    model = target.model
     layer_ids = resolve_layer_ids(config.num_hidden_layers, None, 5)
     samples = make_samples(args.tokens, config.vocab_size)
     by_id = {s.sample_id: s for s in samples}
