@@ -1,0 +1,64 @@
+"""The extraction fast path against a plain synchronous reference (on a GPU; on the CPU the same code
+runs with plain copies).
+
+The worker never waits for the GPU: copies run on a side stream into a few reused host slots while
+later forwards are already queued. A missing wait or a slot reused too early would store another
+batch's values, so every stored tensor must equal, bit for bit, what the same runner returns for the
+same batch when everything is synchronous.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache import open_cache
+from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.target import load_target
+from dflash_cache.extract.worker import RankJob, _padded, run_rank
+from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.verify import verify_cache
+
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"  # the CPU run checks the test itself
+LAYERS = [1, 4]
+
+
+def _samples(vocab: int, count: int = 40) -> dict[int, Sample]:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(8, 300, count)
+    return {i: Sample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(lengths)}
+
+
+@pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd"])
+def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec):
+    target = load_target(target_dir, DEVICE)
+    samples = _samples(target.vocab_size)
+    batches = [list(range(i, min(i + 3, len(samples)))) for i in range(0, len(samples), 3)]
+    spec = {"target": {"config_hash": target.config_hash, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+                       "vocab_size": target.vocab_size, "model_type": target.config.model_type, "name": "tiny"},
+            "layer_ids": LAYERS, "codec": codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
+            "max_length": 8192, "topk": 2}
+    job = RankJob(root=tmp_path / "cache", target_path=target_dir, device=DEVICE, rank=0, spec=spec, batches=batches,
+                  samples=samples, done=set(), first_shard_index=0, compress_threads=3, staging_slots=2, queue_depth=2)
+    run_rank(job, target=target)
+    write_manifest(job.root, build_manifest(read_journals(job.root)))
+    cache = open_cache(job.root)
+
+    runner = TargetRunner(target, LAYERS, topk=2)
+    reference = {}
+    for batch in batches:
+        input_ids, lengths = _padded([samples[i] for i in batch], DEVICE)
+        out = runner.run(input_ids, lengths)
+        for b, sid in enumerate(batch):
+            n = int(lengths[b])
+            reference[sid] = (out.hidden[b, :n].cpu(), out.target_ids[b, :n].cpu(), out.topk_ids[b, :n].cpu())
+    assert sorted(cache) == sorted(samples)
+    for sid, (hidden, target_ids, topk_ids) in reference.items():
+        stored = cache[sid]
+        if codec == "bf16-zstd":
+            assert torch.equal(stored.hidden.view(torch.int16), hidden.view(torch.int16)), sid
+        else:
+            torch.testing.assert_close(stored.hidden.float(), hidden.float(), atol=0.1, rtol=0.07)
+        assert torch.equal(stored.target_ids.long(), target_ids), sid
+        assert torch.equal(stored.topk_ids.long(), topk_ids), sid
+    verify_cache(cache)
