@@ -12,14 +12,14 @@ import torch
 
 
 def layer_health(hidden: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """hidden: a right-padded batch's capture [B, T, L*H]; lengths: [B].
+    """hidden: a right-padded batch's capture [B, T, L*H]; lengths: [B] on hidden's device.
 
     Returns int32 [B, 2, L] on hidden's device: per sample and layer, the number of real tokens with
     a NaN/Inf value, and the number of real tokens with a nonzero value. Padding is ignored.
     """
     batch, seq, _ = hidden.shape
     per_layer = hidden.view(batch, seq, num_layers, -1)
-    real = torch.arange(seq, device=hidden.device) < lengths.to(hidden.device)[:, None]  # [B, T]
+    real = torch.arange(seq, device=hidden.device) < lengths[:, None]  # [B, T]
     counts = torch.empty(batch, 2, num_layers, dtype=torch.int32, device=hidden.device)
     for layer in range(num_layers):  # one layer at a time bounds the temporary masks
         x = per_layer[:, :, layer]

@@ -22,6 +22,14 @@ class TargetOutput:
     topk_logprobs: torch.Tensor | None  # [B, T, K] float32
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: a copy from pageable memory would
+    wait for every kernel queued before it, so the tensor is pinned first."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _StopForward(Exception):
     """Raised from the deepest needed layer's hook to skip the rest of the model."""
 
@@ -88,10 +96,7 @@ class TargetRunner:
         device = final.device
         lengths = lengths.cpu()
         # Flat indices of the real tokens, built on the CPU so the GPU never syncs for them.
-        flat = torch.cat([b * seq + torch.arange(int(n)) for b, n in enumerate(lengths)])
-        if device.type == "cuda":
-            flat = flat.pin_memory()  # an asynchronous copy needs pinned memory
-        flat = flat.to(device, non_blocking=True)
+        flat = to_device(torch.cat([b * seq + torch.arange(int(n)) for b, n in enumerate(lengths)]), device)
         tokens = final.reshape(batch * seq, width)
         head = self.target.model.get_output_embeddings()
         k = self.topk

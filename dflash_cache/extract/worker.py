@@ -28,7 +28,7 @@ from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.runner import TargetRunner, to_device
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
 from dflash_cache.store.codecs import compress, encode, encoded_size
@@ -198,9 +198,7 @@ def _padded(samples: list[Sample], device: str) -> tuple[torch.Tensor, torch.Ten
     ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
     for b, s in enumerate(samples):
         ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
-    if device != "cpu":
-        ids = ids.pin_memory().to(device, non_blocking=True)
-    return ids, lengths
+    return to_device(ids, device), lengths
 
 
 class _Writer(threading.Thread):
@@ -344,7 +342,7 @@ class _PartEncoder:
         if not new:
             return [], 0.0
         num_layers = len(self.layer_ids)
-        health = layer_health(out.hidden, part.lengths, num_layers)
+        health = layer_health(out.hidden, to_device(part.lengths, out.hidden.device), num_layers)
         encoded = [encode(out.hidden[b, : int(part.lengths[b])], self.codec, num_layers) for b in new]
         slot, waited = self.ring.take(sum(e.planes.numel() for e in encoded), check)
         tasks, start, scales_start = [], 0, 0

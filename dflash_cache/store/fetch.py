@@ -16,15 +16,7 @@ from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord
-
-
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            sha.update(block)
-    return sha.hexdigest()
+from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, file_sha256
 
 
 class ShardFetcher:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.fetch import file_sha256
+from dflash_cache.store.shard import file_sha256
 from dflash_cache.store.manifest import read_journals
 from dflash_cache.store.shard import JOURNAL_DIR
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,32 +42,6 @@ class ShardRecord:
     num_tokens: list[int] = field(default_factory=list)
 
 
-class _HashingFile:
-    """A file that hashes what goes through it, so the sha256 costs no second read."""
-
-    def __init__(self, path: Path):
-        self.file = open(path, "wb")
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self.sha.update(view)
-        self.size += view.nbytes
-        return self.file.write(view)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.closed = True
-
-
 def shard_name(rank: int, index: int) -> str:
     return f"r{rank}-{index:05d}.arrow"
 
@@ -78,15 +54,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _seal(path: Path) -> str:
+    """Hash a closed shard file (from the page cache) and make it durable; returns its sha256."""
+    sha = file_sha256(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return sha
+
+
+@dataclass
+class _FullShard:
+    """A shard whose last row is written, being sealed in the background."""
+
+    tmp: Path
+    sealed: Future  # -> sha256
+    record: ShardRecord
+
+
 class ShardWriter:
     """Appends rows to the current shard of one rank; starts a new shard past `max_shard_bytes`.
+
+    Hashing and fsyncing a full shard take as long as writing it, so they run on background threads
+    while the next shard is written; the rename and the journal line follow in shard order on the
+    caller's thread (at the next `append`, or at `commit`). The commit protocol is unchanged: a shard
+    is renamed only once durable, and journaled only once renamed.
 
     `on_journal(shard_path | None)` is called after each journal line is durable, with the path of
     the shard it committed (None for a skipped sample): extraction to a remote cache uploads there.
     """
 
     def __init__(self, root: Path, rank: int, spec: dict, first_index: int = 0, max_shard_bytes: int = 512 << 20,
-                 on_journal: Callable[[str | None], None] = lambda shard_path: None):
+                 on_journal: Callable[[str | None], None] = lambda shard_path: None, sealers: int = 2):
         self.root = Path(root)
         self.rank = rank
         self.next_index = first_index
@@ -97,52 +106,67 @@ class ShardWriter:
         self.journal_path = self.root / JOURNAL_DIR / f"r{rank}.jsonl"
         if not self.journal_path.exists() or self.journal_path.stat().st_size == 0:
             append_journal(self.journal_path, {"spec": spec})
-        self._open: tuple[Path, _HashingFile, pa.RecordBatchFileWriter] | None = None
+        self._open: tuple[Path, pa.NativeFile, pa.RecordBatchFileWriter] | None = None
         self._rows: list[tuple[int, int]] = []
         self._hidden_bytes = 0
+        self._sealing: deque[_FullShard] = deque()
+        self._sealers = ThreadPoolExecutor(sealers, thread_name_prefix=f"seal-r{rank}")
 
-    def append(self, row: Row) -> ShardRecord | None:
-        """Add a row; returns the shard record when this row filled (and committed) a shard."""
+    def append(self, row: Row) -> None:
+        """Add a row; a row that fills the shard closes it (it is committed in the background)."""
         if self._open is None:
             tmp = self.root / SHARD_DIR / (shard_name(self.rank, self.next_index) + TMP_SUFFIX)
-            sink = _HashingFile(tmp)
-            self._open = (tmp, sink, pa.ipc.new_file(pa.PythonFile(sink, mode="w"), ROW_SCHEMA))
+            sink = pa.OSFile(str(tmp), "wb")
+            self._open = (tmp, sink, pa.ipc.new_file(sink, ROW_SCHEMA))
         _, sink, writer = self._open
         writer.write_batch(row.record_batch)
         self._rows.append((row.sample_id, row.num_tokens))
         self._hidden_bytes += len(row.hidden) + len(row.hidden_scales or b"")
-        if sink.size >= self.max_shard_bytes:
-            return self.commit()
-        return None
+        if sink.tell() >= self.max_shard_bytes:
+            self._close_shard()
+        self._journal_sealed(wait=False)
 
-    def commit(self) -> ShardRecord | None:
-        """Close the current shard, make it durable, rename it into place, then journal it."""
+    def commit(self) -> None:
+        """Close the current shard and wait until every shard is durable, renamed and journaled."""
+        self._close_shard()
+        self._journal_sealed(wait=True)
+
+    def _close_shard(self) -> None:
         if self._open is None:
-            return None
+            return
         tmp, sink, writer = self._open
         writer.close()
+        size = sink.tell()
         sink.close()
-        faults.point("shard.before_rename")
-        final = tmp.with_name(tmp.name[: -len(TMP_SUFFIX)])
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-        faults.point("shard.before_journal")
+        final = shard_name(self.rank, self.next_index)
         record = ShardRecord(
-            path=f"{SHARD_DIR}/{final.name}",
+            path=f"{SHARD_DIR}/{final}",
             rows=len(self._rows),
             tokens=sum(n for _, n in self._rows),
-            bytes=sink.size,
+            bytes=size,
             hidden_bytes=self._hidden_bytes,
-            sha256=sink.sha.hexdigest(),
+            sha256="",
             sample_ids=[s for s, _ in self._rows],
             num_tokens=[n for _, n in self._rows],
         )
-        append_journal(self.journal_path, {"shard": record.__dict__})
-        faults.point("shard.committed")
+        self._sealing.append(_FullShard(tmp, self._sealers.submit(_seal, tmp), record))
         self._open, self._rows, self._hidden_bytes = None, [], 0
         self.next_index += 1
-        self.on_journal(record.path)
-        return record
+
+    def _journal_sealed(self, wait: bool) -> None:
+        """Rename and journal the sealed shards at the front of the queue (all of them if `wait`)."""
+        while self._sealing and (wait or self._sealing[0].sealed.done()):
+            full = self._sealing[0]
+            full.record.sha256 = full.sealed.result()
+            faults.point("shard.before_rename")
+            final = self.root / full.record.path
+            os.replace(full.tmp, final)
+            fsync_dir(final.parent)
+            faults.point("shard.before_journal")
+            append_journal(self.journal_path, {"shard": full.record.__dict__})
+            faults.point("shard.committed")
+            self._sealing.popleft()
+            self.on_journal(full.record.path)
 
     def skip(self, sample_id: int, reason: str) -> None:
         """Record a sample that will never be stored (a bad sample under --on-bad-sample skip)."""
@@ -155,7 +179,8 @@ class ShardWriter:
         self.on_journal(None)
 
     def abort(self) -> None:
-        """Drop the shard being written (after an error); nothing of it is ever listed."""
+        """After an error: drop the shard being written (nothing of it is ever listed) and commit the
+        full shards already being sealed, where that still works."""
         if self._open is not None:
             tmp, sink, writer = self._open
             try:
@@ -165,6 +190,10 @@ class ShardWriter:
                 pass
             tmp.unlink(missing_ok=True)
             self._open, self._rows, self._hidden_bytes = None, [], 0
+        try:
+            self._journal_sealed(wait=True)
+        except Exception:  # noqa: BLE001 - the first error is the one reported; a rerun deletes leftovers
+            self._sealing.clear()
 
 
 def append_journal(path: Path, entry: dict) -> None:
