@@ -16,6 +16,7 @@ cache only up to that rounding).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -114,13 +115,15 @@ class LiveSource:
     def batch(self, keys: Sequence[int], device: torch.device | str) -> FeatureBatch:
         samples = [self.samples[k] for k in keys]
         hidden, target_ids = [], []
-        for group in self._forwards(samples):
-            lengths = torch.tensor([len(s.input_ids) for s in group])
-            rows = [torch.from_numpy(s.input_ids.astype(np.int64)) for s in group]
-            out = self.runner.run(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device), lengths)
-            for b, n in enumerate(lengths.tolist()):
-                hidden.append(out.hidden[b, :n])
-                target_ids.append(out.target_ids[b, :n])
+        # The target's GPU may not be the current one (the drafter's, under `train --target-gpus`).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            for group in self._forwards(samples):
+                lengths = torch.tensor([len(s.input_ids) for s in group])
+                rows = [torch.from_numpy(s.input_ids.astype(np.int64)) for s in group]
+                out = self.runner.run(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device), lengths)
+                for b, n in enumerate(lengths.tolist()):
+                    hidden.append(out.hidden[b, :n])
+                    target_ids.append(out.target_ids[b, :n])
         cu_seqlens = torch.zeros(len(samples) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int32).cumsum(0)
         return FeatureBatch(
