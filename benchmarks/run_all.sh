@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU benchmark in one call on one H200 (about 8 minutes), then one table.
+# Every GPU benchmark in one call on one H200 (about 8 minutes), then one table; with 2+ GPUs visible,
+# also the coupled baseline against training from a cache (about 3 more minutes).
 #   OUT=bench_out bash benchmarks/run_all.sh [PEER_SCRIPT]
 # PEER_SCRIPT: ../shared/peer/speculators_dflash_step.py (needs the wheels of ../shared/peer/wheels.txt);
 # it runs beside our drafter at the same shape, tokens and anchors, and is skipped when not given.
@@ -19,4 +20,7 @@ if [ -n "$peer" ]; then
   LOSS_IMPL=eager SHAPE=27b T=16384 MAX_ANCHORS=512 python3 "$peer" 2>&1 | tail -1 | tee "$out/peer.json"
 fi
 python3 benchmarks/train.py --preset qwen3.6-27b --batches 12 --steps 24 --memory-steps 1000 --json "$out/train.json" 2>&1 | tee "$out/train.log"
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  python3 benchmarks/coupled.py --shape qwen3-8b --drafter qwen3.6-27b --tokens 16384 --warmup 4 --steps 20 --json "$out/coupled.json" 2>&1 | tee "$out/coupled.log"
+fi
 python3 benchmarks/table.py "$out" | tee "$out/table.md"

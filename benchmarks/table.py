@@ -42,6 +42,13 @@ def main() -> None:
         first, last = peaks[min(peaks)], peaks[max(peaks)]
         growth = last / first - 1
         rows.append(f"| peak GPU memory, step {min(peaks)} / {max(peaks)} | small drafter, a new batch shape every step | {first:.3f} / {last:.3f} GB ({growth:+.2%}) | within 2%: {'met' if abs(growth) <= 0.02 else 'not met'} |")
+    if c := load(out, "coupled.json"):
+        config = (f"{c['shape']} target on GPU 0 feeding a {c['drafter']} drafter (hidden {c['drafter_hidden']}) on GPU 1, "
+                  f"vs 2 DDP ranks from a bf16-zstd cache; batches of {c['tokens_per_batch']} tokens, <= {c['max_anchors']} anchors per sequence"
+                  + (", all on the CPU (a smoke test)" if c["device"] == "cpu" else ""))
+        rows.append(f"| cache / coupled training tokens/s | {config} | {c['cache_tok_s']:,.0f} / {c['coupled_tok_s']:,.0f} tok/s = {c['ratio']:.2f}x | >= 2x: {'met' if c['ratio'] >= 2 else 'not met'} |")
+        peak = c["peak_gb"]
+        rows.append(f"| peak GPU memory, coupled / cache | same runs | target {peak['coupled_target']:.1f} GB + drafter {peak['coupled_drafter']:.1f} GB / {peak['cache_rank0']:.1f} GB per rank | |")
     print("\n".join(rows))
 
 
