@@ -1,13 +1,14 @@
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.codecs import CODECS, compress, decode, decompress, encode, encoded_size
 from dflash_cache.store.manifest import build_manifest, manifest_checksum, read_journals, write_manifest
-from dflash_cache.store.shard import ShardWriter
+from dflash_cache.store.shard import ShardReader, ShardWriter
 from dflash_cache.store.verify import verify_cache
 from tests.cachegen import random_row, random_spec, write_random_cache
 
@@ -128,6 +129,31 @@ def test_row_checksum_catches_flips_even_with_a_matching_sha(tmp_path):
         verify_cache(open_cache(tmp_path))
     with pytest.raises(DFlashCacheError, match="checksum"):
         open_cache(tmp_path)[1]
+
+
+@pytest.mark.parametrize("field", ["input_ids", "target_ids", "hidden", "hidden_scales"])
+def test_row_checksum_covers_every_field(tmp_path, field):
+    write_random_cache(tmp_path, [40], random_spec(codec="fp8-zstd"))
+    shard = tmp_path / "shards" / "r0-00000.arrow"
+    value = bytes(memoryview(getattr(open_cache(tmp_path).read_stored(0), field)).cast("B"))
+    data = bytearray(shard.read_bytes())
+    data[bytes(data).index(value) + len(value) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DFlashCacheError, match=r"row 0 \(sample 0\) fails its checksum"):
+        open_cache(tmp_path).read_stored(0)
+
+
+def test_reader_hands_out_the_payload_without_copying_it(tmp_path):
+    """A copy of a row's payload would be made with the GIL held, stalling the training thread."""
+    write_random_cache(tmp_path, [40, 50], random_spec(codec="fp8-zstd"))
+    path = tmp_path / "shards" / "r0-00000.arrow"
+    reader = ShardReader(path)
+    reader._source.seek(0)
+    mapped = reader._source.read_buffer(1).address
+    row = reader.row(1)
+    for view in (row.hidden, row.hidden_scales):
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        assert mapped <= address and address + len(view) <= mapped + path.stat().st_size
 
 
 def test_verify_fails_on_truncation_and_missing_shard(tmp_path):

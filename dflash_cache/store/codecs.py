@@ -112,7 +112,7 @@ def _unzstd_into(data: memoryview, out: np.ndarray, codec: str) -> None:
     view = memoryview(out).cast("B")
     filled = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_size=max(len(data), 1)) as reader:
             while filled < len(view):
                 got = reader.readinto(view[filled:])
                 if got == 0:

@@ -80,7 +80,7 @@ def row_checksum(input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidd
         (topk_logprobs, np.float32),
     ):
         if part is not None:
-            crc = zlib.crc32(np.ascontiguousarray(part, dtype=dtype).tobytes(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(part, dtype=dtype), crc)
     for blob in (hidden, hidden_scales):
         if blob is not None:
             crc = zlib.crc32(blob, crc)

@@ -240,7 +240,7 @@ class StoredRow:
     topk_ids: np.ndarray | None
     topk_logprobs: np.ndarray | None
     hidden: memoryview
-    hidden_scales: bytes | None
+    hidden_scales: memoryview | None
     checksum: int
 
     def check(self) -> bool:
@@ -252,6 +252,17 @@ def _list_values(column: pa.ListArray, dtype) -> np.ndarray | None:
     if column.null_count:
         return None
     return column.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _binary_value(column: pa.Array) -> memoryview | None:
+    """The one value of a binary column, a view of the record batch's memory. Indexing the column
+    would copy the value with the GIL held: tens of MB per row, stalling the training thread."""
+    if column.null_count:
+        return None
+    _, offsets, data = column.buffers()
+    width = 8 if pa.types.is_large_binary(column.type) else 4
+    start, end = np.frombuffer(offsets, dtype=f"<i{width}", count=2, offset=column.offset * width)
+    return memoryview(data or b"")[int(start) : int(end)]
 
 
 class ShardReader:
@@ -277,7 +288,6 @@ class ShardReader:
     def row(self, index: int) -> StoredRow:
         try:
             batch = self._reader.get_batch(index)
-            scales = batch.column("hidden_scales")[0].as_py()
             return StoredRow(
                 sample_id=batch.column("sample_id")[0].as_py(),
                 input_ids=_list_values(batch.column("input_ids"), np.int32),
@@ -285,11 +295,11 @@ class ShardReader:
                 target_ids=_list_values(batch.column("target_ids"), np.int32),
                 topk_ids=_list_values(batch.column("topk_ids"), np.int32),
                 topk_logprobs=_list_values(batch.column("topk_logprobs"), np.float32),
-                hidden=memoryview(batch.column("hidden")[0].as_buffer()),
-                hidden_scales=scales,
+                hidden=_binary_value(batch.column("hidden")),
+                hidden_scales=_binary_value(batch.column("hidden_scales")),
                 checksum=batch.column("checksum")[0].as_py(),
             )
-        except (pa.ArrowInvalid, pa.ArrowIndexError, IndexError, OSError) as e:
+        except (pa.ArrowInvalid, pa.ArrowIndexError, IndexError, ValueError, OSError) as e:
             raise DFlashCacheError(f"{self.path}: row {index} unreadable ({e})") from None
 
     def close(self) -> None:
