@@ -25,9 +25,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
+from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
+from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, _padded, run_rank
+from dflash_cache.store.codecs import CODECS, compress, encode
 
 
 def profile_extraction(folder: Path, run) -> None:
@@ -41,6 +44,19 @@ def profile_extraction(folder: Path, run) -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     (folder / "extract_profile.txt").write_text(table)
     print(table)
+
+
+def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: str) -> dict[str, float]:
+    """Stored bytes per token of each codec on one batch of this target's captured hidden states."""
+    input_ids, lengths = _padded(samples, device)
+    hidden = runner.run(input_ids, lengths).hidden
+    sizes = dict.fromkeys(CODECS, 0)
+    for b, n in enumerate(lengths.tolist()):
+        for codec in CODECS:
+            encoded = encode(hidden[b, :n], codec, len(runner.layer_ids))
+            sizes[codec] += compress(encoded.planes.cpu().numpy(), codec).nbytes
+            sizes[codec] += 0 if encoded.scales is None else encoded.scales.numel() * 4
+    return {codec: size / int(lengths.sum()) for codec, size in sizes.items()}
 
 
 def main() -> None:
@@ -112,19 +128,21 @@ def main() -> None:
     t_extract, info = extract(batches)
     t_bare2, _ = bare()
     t_bare = min(t_bare, t_bare2)
+    per_codec = codec_bytes_per_token(TargetRunner(target, layer_ids), [by_id[i] for i in batches[len(batches) // 2]], device)
     if args.profile:
         profile_extraction(args.profile, lambda: extract(batches[:6]))
     result = {
         "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
         "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
         "ratio": t_bare / t_extract, "bare_queued_fraction": q_bare / t_bare, "compress_threads": args.compress_threads, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
-        "drain_s": info["drain_s"],
+        "drain_s": info["drain_s"], "codec_bytes_per_token": per_codec,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
     }
     print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s")
     print(f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
           f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk, "
           f"{info['drain_s']:.1f} s from the last batch queued to the last shard committed)")
+    print("bytes/token by codec (one batch): " + ", ".join(f"{c} {v:,.0f}" for c, v in per_codec.items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)

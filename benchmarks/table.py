@@ -27,8 +27,11 @@ def main() -> None:
     for name, label in [("extract_qwen3_8b.json", "Qwen3-8B shape"), ("extract_qwen3_5_cut.json", "qwen3_5 hybrid, 27B shape cut")]:
         if e := load(out, name):
             config = f"{label}, {e['layers']} layers, {e['tokens']:,} tokens, batches <= {e['batch_tokens']}, {e['codec']}"
-            rows.append(f"| extraction / bare forward | {config} | {e['extract_tok_s']:,.0f} / {e['bare_tok_s']:,.0f} tok/s = {e['ratio']:.3f} | >= 0.95: {'met' if e['ratio'] >= 0.95 else 'not met'} |")
+            rows.append(f"| extraction / bare forward | {config} | {e['extract_tok_s']:,.0f} / {e['bare_tok_s']:,.0f} tok/s = {e['ratio']:.3f} (drain {e.get('drain_s', 0):.1f} s) | >= 0.95: {'met' if e['ratio'] >= 0.95 else 'not met'} |")
             rows.append(f"| bytes per token stored | {config} | {e['bytes_per_token']:,.0f} | |")
+            if sizes := e.get("codec_bytes_per_token"):
+                rows.append(f"| bytes per token by codec | {label}, one batch of its captured layers | "
+                            + ", ".join(f"{c} {v:,.0f}" for c, v in sizes.items()) + " | |")
     drafter, peer = load(out, "drafter.json"), load(out, "peer.json")
     for r in (drafter or {}).get("results", []):
         config = f"qwen3.6-27b preset, {r['tokens_per_step']:.0f} tokens, {r['anchors_per_step']:.0f} anchors per step"
