@@ -27,7 +27,7 @@ def main() -> None:
     for name, label in [("extract_qwen3_8b.json", "Qwen3-8B shape"), ("extract_qwen3_5_cut.json", "qwen3_5 hybrid, 27B shape cut")]:
         if e := load(out, name):
             config = f"{label}, {e['layers']} layers, {e['tokens']:,} tokens, batches <= {e['batch_tokens']}, {e['codec']}"
-            rows.append(f"| extraction / bare forward | {config} | {e['extract_tok_s']:,.0f} / {e['bare_tok_s']:,.0f} tok/s = {e['ratio']:.3f} (drain {e.get('drain_s', 0):.1f} s) | >= 0.95: {'met' if e['ratio'] >= 0.95 else 'not met'} |")
+            rows.append(f"| extraction / bare forward | {config} | {e['extract_tok_s']:,.0f} / {e['bare_tok_s']:,.0f} tok/s = {e['ratio']:.3f} (host tail {e['host_tail_s']:.1f} s; {e['ratio_without_tail']:.3f} without it) | >= 0.95: {'met' if e['ratio'] >= 0.95 else 'not met'} |")
             rows.append(f"| bytes per token stored | {config} | {e['bytes_per_token']:,.0f} | |")
             if sizes := e.get("codec_bytes_per_token"):
                 rows.append(f"| bytes per token by codec | {label}, one batch of its captured layers | "
