@@ -15,6 +15,7 @@ Batches are packed, never padded, and no buffer is cached per shape.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class HostBatch:
 
     keys: list[int]
     sample_ids: list[int]
+    # Where each sample starts, then the total (cu_seqlens as ints): reader threads make no torch
+    # calls, since each releases and retakes the GIL and every retake can hold up the training thread.
+    offsets: list[int]
     input_ids: torch.Tensor  # int64 [N]
     loss_mask: torch.Tensor  # bool [N]
     target_ids: torch.Tensor  # int64 [N]
@@ -48,36 +52,35 @@ class HostBatch:
 
 
 def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBatch:
-    lengths = [caches.lengths[k] for k in keys]
-    n = sum(lengths)
+    offsets = [0, *itertools.accumulate(caches.lengths[k] for k in keys)]
+    n = offsets[-1]
     num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
     new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
-    cu = new(len(keys) + 1, dtype=torch.int32)
-    cu[0] = 0
-    torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=cu[1:])
     layers = len(caches.spec["layer_ids"])
     return HostBatch(
         keys=list(keys),
         sample_ids=[caches.sample_id(k) for k in keys],
+        offsets=offsets,
         input_ids=new(n, dtype=torch.int64),
         loss_mask=new(n, dtype=torch.bool),
         target_ids=new(n, dtype=torch.int64),
         planes=new(num_planes, n * caches.width * value_bytes, dtype=torch.uint8),
         scales=new(n, layers, dtype=torch.float32) if caches.codec == "fp8-zstd" else None,
-        cu_seqlens=cu,
+        cu_seqlens=new(len(offsets), dtype=torch.int32).copy_(torch.tensor(offsets, dtype=torch.int32)),
     )
 
 
 def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     """Read, verify and decompress row `index` of the batch into its slice of the host buffers."""
     key = batch.keys[index]
-    start, end = int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1])
+    start, end = batch.offsets[index], batch.offsets[index + 1]
     try:
         row = caches.read(key)
         if len(row.input_ids) != end - start:
             raise DFlashCacheError(f"row holds {len(row.input_ids)} tokens, the manifest says {end - start}")
-        per_token = batch.planes.shape[1] // batch.input_ids.shape[0]
-        decompress_into(row.hidden, caches.codec, batch.planes.numpy()[:, start * per_token : end * per_token])
+        planes = batch.planes.numpy()
+        per_token = planes.shape[1] // batch.offsets[-1]
+        decompress_into(row.hidden, caches.codec, planes[:, start * per_token : end * per_token])
         if batch.scales is not None:
             scales = batch.scales.numpy()[start:end]
             if row.hidden_scales is None or len(row.hidden_scales) != scales.nbytes:
@@ -87,9 +90,9 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
         raise DFlashCacheError(f"reading {caches.describe(key)}: {e}") from None
     except Exception as e:
         raise ReaderError(f"reader thread failed on {caches.describe(key)}: {type(e).__name__}: {e}") from e
-    batch.input_ids[start:end].numpy()[:] = row.input_ids
-    batch.loss_mask[start:end].numpy()[:] = row.loss_mask
-    batch.target_ids[start:end].numpy()[:] = row.target_ids
+    batch.input_ids.numpy()[start:end] = row.input_ids
+    batch.loss_mask.numpy()[start:end] = row.loss_mask
+    batch.target_ids.numpy()[start:end] = row.target_ids
 
 
 def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> FeatureBatch:
