@@ -1,5 +1,5 @@
 """The loader's host stage on the CPU: reader-thread throughput, and what reader threads cost the
-thread that drives the GPU through the GIL (Linux: reads /proc/thread-self/schedstat).
+thread that drives the GPU through the GIL (Linux: reads /proc/thread-self).
 
     PYTHONPATH=. python benchmarks/loader_host.py [--hidden 2560] [--tokens 40000] [--workers 1]
                                                   [--seconds 3] [--json FILE]
@@ -13,10 +13,12 @@ from the page cache:
 2. GIL: the main thread issues small torch ops (`gil_contention.main_thread_rate`: every op releases
    and retakes the GIL, as kernel launches do) alone, beside --workers threads filling rows over and
    over, and beside as many threads doing GIL-free work only (zlib.crc32 of a large buffer). Printed:
-   its op rate and the fraction of its wall time spent waiting for the GIL (wall time less time on a
-   CPU and time waiting for one, per the kernel's schedstat). On a machine with few, shared cores
-   the op rate also drops because the threads take CPU; the GIL wait does not depend on that. Each
-   case runs three times, interleaved; medians are printed.
+   its op rate; how often it went to sleep (it sleeps only to wait for the GIL) per row read; and the
+   fraction of its wall time asleep (wall less time on a CPU and time waiting for one, per the
+   kernel's schedstat), also per 1000 tokens read. Where cores are few and shared the op rate drops
+   because the threads take CPU, and the time asleep grows when a thread holding the GIL loses its
+   CPU; the count of waits depends least on the machine. Each case runs three times, interleaved;
+   medians are printed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,33 +43,46 @@ from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import empty_host_batch, fill_row
 
 
-def scheduled_seconds() -> float:
-    """This thread's time on a CPU plus its time runnable but waiting for one."""
+@dataclass
+class MainThread:
+    ops_s: float
+    asleep: float  # fraction of wall time
+    sleeps: int
+    calls: int  # work calls the other threads finished
+    tokens: int  # what they returned, summed
+
+
+def thread_clock() -> tuple[float, int]:
+    """(seconds this thread was on a CPU or waiting for one, times it went to sleep)."""
     on_cpu, waiting = Path("/proc/thread-self/schedstat").read_text().split()[:2]
-    return (int(on_cpu) + int(waiting)) / 1e9
+    status = Path("/proc/thread-self/status").read_text()
+    sleeps = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return (int(on_cpu) + int(waiting)) / 1e9, sleeps
 
 
-def main_thread_beside(work: Callable[[int], None] | None, threads: int, seconds: float) -> tuple[float, float]:
-    """(op rate, fraction of wall time waiting for the GIL) of this thread while `threads` threads call
-    work(0), work(1), ... (alone when `work` is None)."""
+def main_thread_beside(work: Callable[[int], int] | None, threads: int, seconds: float) -> MainThread:
+    """The main thread's op rate and sleeps while `threads` threads call work(0), work(1), ... (alone
+    when `work` is None)."""
     stop = threading.Event()
+    calls, tokens = [0] * threads, [0] * threads
 
     def loop(first: int) -> None:
         i = first
         while not stop.is_set():
-            work(i)
+            tokens[first] += work(i)
+            calls[first] += 1
             i += threads
 
     pool = [threading.Thread(target=loop, args=(t,)) for t in range(threads if work else 0)]
     for t in pool:
         t.start()
-    wall, scheduled = time.perf_counter(), scheduled_seconds()
+    wall, (scheduled, sleeps) = time.perf_counter(), thread_clock()
     rate = main_thread_rate(seconds)
-    wall, scheduled = time.perf_counter() - wall, scheduled_seconds() - scheduled
+    wall, (scheduled_after, sleeps_after) = time.perf_counter() - wall, thread_clock()
     stop.set()
     for t in pool:
         t.join()
-    return rate, max(0.0, 1 - scheduled / wall)
+    return MainThread(rate, max(0.0, 1 - (scheduled_after - scheduled) / wall), sleeps_after - sleeps, sum(calls), sum(tokens))
 
 
 def measure(caches: CacheSet, workers: int, seconds: float) -> dict:
@@ -83,18 +98,33 @@ def measure(caches: CacheSet, workers: int, seconds: float) -> dict:
     print(f"cache: {rows} rows, {result['tokens']} tokens, {caches.width * 2} raw bytes per token; one thread: "
           f"{mb / wall:,.0f} MB/s of planes (wall), {mb / cpu:,.0f} MB/s per CPU second", flush=True)
 
-    cases = {"alone": None, "readers": lambda i: fill_row(caches, batch, i % rows), "gil_free": lambda i: zlib.crc32(PLANES)}
-    runs = {name: [] for name in cases}
+    def read_row(i: int) -> int:
+        fill_row(caches, batch, i % rows)
+        return caches.lengths[batch.keys[i % rows]]
+
+    def gil_free(i: int) -> int:
+        zlib.crc32(PLANES)
+        return 0
+
+    cases = {"alone": None, "readers": read_row, "gil_free": gil_free}
+    runs: dict[str, list[MainThread]] = {name: [] for name in cases}
     for _ in range(3):
         for name, work in cases.items():
             runs[name].append(main_thread_beside(work, workers, seconds))
-    for name, values in runs.items():
-        rate, wait = (statistics.median(v) for v in zip(*values))
-        result[name] = {"ops_s": rate, "gil_wait": wait}
-    alone = result["alone"]["ops_s"]
-    print(f"main thread: alone {alone:,.0f} ops/s; beside {workers} reader thread(s) "
-          f"{result['readers']['ops_s'] / alone:.2f} of that, {result['readers']['gil_wait']:.1%} of its time waiting for the GIL; "
-          f"beside {workers} GIL-free thread(s) {result['gil_free']['ops_s'] / alone:.2f}, {result['gil_free']['gil_wait']:.1%}", flush=True)
+
+    def median(name: str, f: Callable[[MainThread], float]) -> float:
+        return statistics.median(f(r) for r in runs[name])
+
+    for name in cases:
+        result[name] = {"ops_s": median(name, lambda r: r.ops_s), "asleep": median(name, lambda r: r.asleep),
+                        "sleeps_per_call": median(name, lambda r: r.sleeps / max(r.calls, 1)), "runs": [asdict(r) for r in runs[name]]}
+    result["readers"]["asleep_ms_per_1k_tokens"] = median("readers", lambda r: r.asleep * seconds * 1e6 / max(r.tokens, 1))
+    alone, readers, free = result["alone"], result["readers"], result["gil_free"]
+    print(f"main thread alone: {alone['ops_s']:,.0f} ops/s\n"
+          f"beside {workers} reader thread(s): {readers['ops_s'] / alone['ops_s']:.2f} of that; {readers['sleeps_per_call']:.1f} GIL waits "
+          f"per row read; asleep {readers['asleep']:.1%} of the time, {readers['asleep_ms_per_1k_tokens']:.2f} ms per 1000 tokens read\n"
+          f"beside {workers} GIL-free thread(s): {free['ops_s'] / alone['ops_s']:.2f}; {free['sleeps_per_call']:.1f} GIL waits per call; "
+          f"asleep {free['asleep']:.1%}", flush=True)
     return result
 
 
