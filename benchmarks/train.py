@@ -9,7 +9,9 @@
    step (as in benchmarks/drafter.py) (a) from the cache through the prefetching loader (threads read,
    verify and decompress into pinned memory; side-stream copy; decode on the GPU) and (b) from the
    same batches already decoded on the GPU (MemorySource). Both run --steps steps (cycling over the
-   batches; the second pass reads from the page cache) after 3 warm-up steps.
+   batches; the second pass reads from the page cache) after 3 warm-up steps. Also printed: the time
+   per step the training thread spent in next() of each source, and the loader's tokens/s with no
+   training beside it (the pass that puts the batches on the GPU for (b)): whether the host keeps up.
 2. Peak GPU memory at step 100 and at step --memory-steps of an eager run whose batches change shape
    every step (lengths drawn at random), for a small drafter (hidden 1024, 2 layers) so that a thousand
    steps fit the time: a leak or a per-shape buffer cache would show as growth.
@@ -101,18 +103,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(step, source, steps: int, anchors: int, device: str) -> float:
+def timed(step, source, steps: int, anchors: int, device: str) -> tuple[float, float]:
+    """(tokens/s, seconds per step the training thread spent in next(source))."""
     it = iter(source)
     for _ in range(3):
         step(next(it), anchors)
     sync(device)
-    start, tokens = time.perf_counter(), 0
+    start, tokens, in_next = time.perf_counter(), 0, 0.0
     for _ in range(steps):
+        asked = time.perf_counter()
         batch = next(it)
+        in_next += time.perf_counter() - asked
         tokens += batch.num_tokens
         step(batch, anchors)
     sync(device)
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), in_next / steps
 
 
 def main() -> None:
@@ -142,12 +147,20 @@ def main() -> None:
     step = make_step(config, device)
     cycle = (batches * (args.steps // len(batches) + 2))[: args.steps + 3]
     with Loader(caches, cycle, device, prefetch=4, workers=args.workers) as loader:
-        cache_tok_s = timed(step, loader, args.steps, args.anchors, device)
-    with Loader(caches, batches, device, prefetch=2, workers=args.workers) as loader:
+        cache_tok_s, cache_next_s = timed(step, loader, args.steps, args.anchors, device)
+    # The same loader with no training beside it: what the host (and the copy) can deliver.
+    started = time.perf_counter()
+    with Loader(caches, batches, device, prefetch=4, workers=args.workers) as loader:
         on_gpu = list(loader)
-    memory_tok_s = timed(step, MemorySource(on_gpu, args.steps + 3), args.steps, args.anchors, device)
+    sync(device)
+    loader_tok_s = sum(b.num_tokens for b in on_gpu) / (time.perf_counter() - started)
+    memory_tok_s, memory_next_s = timed(step, MemorySource(on_gpu, args.steps + 3), args.steps, args.anchors, device)
     del on_gpu
-    print(f"cache-fed:  {cache_tok_s:,.0f} tokens/s\nmemory-fed: {memory_tok_s:,.0f} tokens/s\nratio:      {cache_tok_s / memory_tok_s:.3f}", flush=True)
+    print(f"cache-fed:  {cache_tok_s:,.0f} tokens/s ({cache_next_s * 1e3:.1f} ms per step in next())\n"
+          f"memory-fed: {memory_tok_s:,.0f} tokens/s ({memory_next_s * 1e3:.1f} ms per step in next())\n"
+          f"ratio:      {cache_tok_s / memory_tok_s:.3f}\n"
+          f"loader alone, {args.workers} workers: {loader_tok_s:,.0f} tokens/s "
+          f"({loader_tok_s * caches.width * 2 / 1e9:.2f} GB/s of decompressed planes)", flush=True)
 
     small = replace(config, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=8,
                     num_key_value_heads=2, layer_types=["sliding_attention", "full_attention"], vocab_size=32000,
@@ -174,6 +187,7 @@ def main() -> None:
           f"({(peaks[args.memory_steps] / max(peaks[100], 1e-9) - 1) * 100:+.2f}%)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"cache_tok_s": cache_tok_s, "memory_tok_s": memory_tok_s, "ratio": cache_tok_s / memory_tok_s,
+                                         "cache_next_s": cache_next_s, "memory_next_s": memory_next_s, "loader_tok_s": loader_tok_s,
                                          "stored_gb": stored / 1e9, "peak_gb": peaks}, indent=2))
 
 
