@@ -112,6 +112,8 @@ def _unzstd_into(data: memoryview, out: np.ndarray, codec: str) -> None:
     view = memoryview(out).cast("B")
     filled = 0
     try:
+        # All input at once: one GIL-free call decodes the frame, where the default read size retakes
+        # the GIL every 128 KB of input (each retake can hold up the thread that drives the GPU).
         with zstandard.ZstdDecompressor().stream_reader(data, read_size=max(len(data), 1)) as reader:
             while filled < len(view):
                 got = reader.readinto(view[filled:])
