@@ -178,14 +178,18 @@ def test_a_sample_that_never_fits_is_named_or_skipped(setup, tmp_path, monkeypat
 
 
 @pytest.mark.gpu
-def test_real_cuda_oom_splits_down_to_single_samples(setup):
+def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     """This process's CUDA memory is capped between one sample's peak and two samples': the batch of
     eight runs out of memory for real and is split down to single samples, with the same outputs;
-    under a cap below one sample's peak, the sample is named."""
+    under a cap below one sample's peak, the sample is named.
+
+    The target is wide (hidden 1024) so that a sample's activations, not the allocator's 20 MB
+    segments, decide what fits: with the usual hidden 64, one sample reserved 25.2 MB and two 27.3 MB
+    on an H200, and the premise below failed."""
     from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
     from dflash_cache.extract.target import load_target
 
-    target = load_target(setup[0], "cuda:0")
+    target = load_target(build_target(tmp_path / "wide", "qwen3", hidden=1024), "cuda:0")
     runner = TargetRunner(target, [1, 4])
     lengths = torch.full((8,), 2048)
     input_ids = torch.randint(0, target.vocab_size, (8, 2048), generator=torch.Generator().manual_seed(0)).cuda()

@@ -74,11 +74,11 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
     raise ValueError(arch)
 
 
-def build_target(directory: Path, arch: str, num_layers: int = 6, seed: int = 0) -> Path:
+def build_target(directory: Path, arch: str, num_layers: int = 6, seed: int = 0, hidden: int = 64) -> Path:
     """A random-weight target with its tokenizer, saved like a Hugging Face model directory."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_config(arch, len(tokenizer), num_layers))
+    model = AutoModelForCausalLM.from_config(target_config(arch, len(tokenizer), num_layers, hidden))
     # Random init gives near-uniform logits; sharpen the head so argmax is well separated.
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
