@@ -9,7 +9,7 @@ from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
-from dflash_cache.stream.loader import Loader, ReaderError
+from dflash_cache.stream.loader import Loader, ReaderError, empty_host_batch
 from dflash_cache.stream.memory import MemorySource
 from tests.cachegen import random_spec, write_random_cache
 
@@ -52,6 +52,16 @@ def test_loader_packs_batches_exactly_as_the_store_reads_them(tmp_path, codec):
             assert torch.equal(getattr(batch, name).view(torch.uint8) if name == "hidden" else getattr(batch, name),
                                value.view(torch.uint8) if name == "hidden" else value), name
         assert batch.hidden.dtype == torch.bfloat16
+
+
+def test_host_buffers_have_one_size_for_the_whole_run(tmp_path):
+    """Every batch's planes sit in a buffer sized for the largest batch, so pinned blocks are reused."""
+    caches = CacheSet([cache_at(tmp_path / "c")])
+    batches = plan_batches(list(range(len(caches))), caches.lengths, 50, seed=3)
+    largest = max(sum(caches.lengths[k] for k in keys) for keys in batches)
+    sizes = {empty_host_batch(caches, keys, pin=False, capacity_tokens=largest).planes.untyped_storage().nbytes()
+             for keys in batches}
+    assert sizes == {2 * largest * caches.width}  # bf16-zstd: two planes of one byte per value
 
 
 def test_reader_error_reaches_the_consumer_promptly(tmp_path, monkeypatch):

@@ -51,12 +51,18 @@ class HostBatch:
     cu_seqlens: torch.Tensor  # int32 [S+1]
 
 
-def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBatch:
+def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_tokens: int = 0) -> HostBatch:
+    """Host buffers for a batch. The planes sit at the front of a buffer sized for `capacity_tokens`
+    (the largest batch of the run), so every batch asks the pinned-memory cache for the same size and
+    reuses a freed block: sizes that vary from batch to batch fall into different power-of-two
+    classes, and each new class costs a fresh page-locking allocation on the training thread."""
     offsets = [0, *itertools.accumulate(caches.lengths[k] for k in keys)]
     n = offsets[-1]
     num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
     new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
     layers = len(caches.spec["layer_ids"])
+    plane_bytes = n * caches.width * value_bytes
+    buffer = new(num_planes * max(n, capacity_tokens) * caches.width * value_bytes, dtype=torch.uint8)
     return HostBatch(
         keys=list(keys),
         sample_ids=[caches.sample_id(k) for k in keys],
@@ -64,7 +70,7 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool) -> HostBa
         input_ids=new(n, dtype=torch.int64),
         loss_mask=new(n, dtype=torch.bool),
         target_ids=new(n, dtype=torch.int64),
-        planes=new(num_planes, n * caches.width * value_bytes, dtype=torch.uint8),
+        planes=buffer[: num_planes * plane_bytes].view(num_planes, plane_bytes),
         scales=new(n, layers, dtype=torch.float32) if caches.codec == "fp8-zstd" else None,
         cu_seqlens=new(len(offsets), dtype=torch.int32).copy_(torch.tensor(offsets, dtype=torch.int32)),
     )
@@ -126,6 +132,7 @@ class Loader:
         self.cuda = self.device.type == "cuda"
         self.prefetch = prefetch
         self._todo = deque(batches)
+        self._capacity = max((sum(caches.lengths[k] for k in batch) for batch in self._todo), default=0)
         self._host: deque[tuple[HostBatch, list[cf.Future]]] = deque()
         self._staged: tuple[FeatureBatch, torch.cuda.Event | None] | None = None
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="dflash-reader")
@@ -134,7 +141,7 @@ class Loader:
 
     def _fill(self) -> None:
         while self._todo and len(self._host) < self.prefetch:
-            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda)
+            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity)
             futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in range(len(batch.keys))]
             self._host.append((batch, futures))
 
