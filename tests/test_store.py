@@ -94,6 +94,24 @@ def test_uncommitted_shard_is_never_listed(tmp_path):
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["r0-00000.arrow"]
 
 
+def test_shard_hash_followed_while_writing_equals_the_files(tmp_path, monkeypatch):
+    """The sha256 a shard is journaled with is hashed while the shard is written (and synced every
+    SYNC_EVERY bytes); it must equal the hash of the finished file, for shards closed full and last."""
+    from dflash_cache.store import shard as shard_module
+
+    monkeypatch.setattr(shard_module._Sealer, "SYNC_EVERY", 4096)
+    spec = random_spec()
+    writer = ShardWriter(tmp_path, rank=0, spec=spec, max_shard_bytes=40_000)
+    for i in range(12):
+        writer.append(random_row(i, 300, spec)[0])
+    writer.commit()
+    shards = read_journals(tmp_path).shards
+    assert len(shards) > 2
+    for record in shards:
+        assert record.sha256 == shard_module.file_sha256(tmp_path / record.path)
+    assert sorted(i for record in shards for i in record.sample_ids) == list(range(12))
+
+
 def test_verify_fails_on_flipped_bytes(tmp_path):
     write_random_cache(tmp_path, [20, 30, 40], rows_per_shard=8)
     shard = tmp_path / "shards" / "r0-00000.arrow"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,15 +63,59 @@ def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
     return sha.hexdigest()
 
 
-def _seal(path: Path) -> str:
-    """Hash a closed shard file (from the page cache) and make it durable; returns its sha256."""
-    sha = file_sha256(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return sha
+class _Sealer:
+    """Hashes a shard file while it is being written and starts its write-back to disk as it goes
+    (on a background thread), so that closing it leaves only the last bytes to hash and sync. The
+    file is only ever appended to, so bytes once written never change under the hash."""
+
+    SYNC_EVERY = 64 << 20
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.written = 0
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def grew(self, size: int, closed: bool = False) -> None:
+        with self.cond:
+            self.written, self.closed = size, closed
+            self.cond.notify()
+
+    def start(self) -> Future:
+        """Run on a daemon thread (a shard left open must not keep the process from exiting)."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.run())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever journals the shard
+                future.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name=f"seal-{self.path.name}").start()
+        return future
+
+    def run(self) -> str:
+        """Returns the sha256 of the whole file once it is closed and durable."""
+        sha = hashlib.sha256()
+        done = synced = 0
+        with open(self.path, "rb", buffering=0) as f:
+            while True:
+                with self.cond:
+                    while self.written == done and not self.closed:
+                        self.cond.wait()
+                    target, closed = self.written, self.closed
+                while done < target:
+                    block = f.read(min(8 << 20, target - done))
+                    if not block:
+                        raise DFlashCacheError(f"{self.path}: ends at {done} bytes, {target} were written")
+                    sha.update(block)
+                    done += len(block)
+                if closed:
+                    os.fsync(f.fileno())
+                    return sha.hexdigest()
+                if done - synced >= self.SYNC_EVERY:
+                    os.fdatasync(f.fileno())
+                    synced = done
 
 
 @dataclass
@@ -78,16 +123,17 @@ class _FullShard:
     """A shard whose last row is written, being sealed in the background."""
 
     tmp: Path
-    sealed: Future  # -> sha256
+    sealed: Future  # -> sha256, from _Sealer.run
     record: ShardRecord
 
 
 class ShardWriter:
     """Appends rows to the current shard of one rank; starts a new shard past `max_shard_bytes`.
 
-    Hashing and fsyncing a full shard take as long as writing it, so they run on background threads
-    while the next shard is written; the rename and the journal line follow in shard order on the
-    caller's thread (at the next `append`, or at `commit`). The commit protocol is unchanged: a shard
+    Hashing and fsyncing a shard take as long as writing it, so a background thread does both while
+    the shard is being written (following the file) and finishes after it is closed, while the next
+    shard is written; the rename and the journal line follow in shard order on the caller's thread
+    (at the next `append`, or at `commit`). The commit protocol is unchanged: a shard
     is renamed only once durable, and journaled only once renamed.
 
     `on_journal(shard_path | None)` is called after each journal line is durable, with the path of
@@ -95,7 +141,7 @@ class ShardWriter:
     """
 
     def __init__(self, root: Path, rank: int, spec: dict, first_index: int = 0, max_shard_bytes: int = 512 << 20,
-                 on_journal: Callable[[str | None], None] = lambda shard_path: None, sealers: int = 2):
+                 on_journal: Callable[[str | None], None] = lambda shard_path: None):
         self.root = Path(root)
         self.rank = rank
         self.next_index = first_index
@@ -106,20 +152,22 @@ class ShardWriter:
         self.journal_path = self.root / JOURNAL_DIR / f"r{rank}.jsonl"
         if not self.journal_path.exists() or self.journal_path.stat().st_size == 0:
             append_journal(self.journal_path, {"spec": spec})
-        self._open: tuple[Path, pa.NativeFile, pa.RecordBatchFileWriter] | None = None
+        self._open: tuple[Path, pa.NativeFile, pa.RecordBatchFileWriter, _Sealer, Future] | None = None
         self._rows: list[tuple[int, int]] = []
         self._hidden_bytes = 0
         self._sealing: deque[_FullShard] = deque()
-        self._sealers = ThreadPoolExecutor(sealers, thread_name_prefix=f"seal-r{rank}")
 
     def append(self, row: Row) -> None:
         """Add a row; a row that fills the shard closes it (it is committed in the background)."""
         if self._open is None:
             tmp = self.root / SHARD_DIR / (shard_name(self.rank, self.next_index) + TMP_SUFFIX)
             sink = pa.OSFile(str(tmp), "wb")
-            self._open = (tmp, sink, pa.ipc.new_file(sink, ROW_SCHEMA))
-        _, sink, writer = self._open
+            writer = pa.ipc.new_file(sink, ROW_SCHEMA)
+            sealer = _Sealer(tmp)
+            self._open = (tmp, sink, writer, sealer, sealer.start())
+        _, sink, writer, sealer, _ = self._open
         writer.write_batch(row.record_batch)
+        sealer.grew(sink.tell())
         self._rows.append((row.sample_id, row.num_tokens))
         self._hidden_bytes += len(row.hidden) + len(row.hidden_scales or b"")
         if sink.tell() >= self.max_shard_bytes:
@@ -134,10 +182,11 @@ class ShardWriter:
     def _close_shard(self) -> None:
         if self._open is None:
             return
-        tmp, sink, writer = self._open
+        tmp, sink, writer, sealer, sealed = self._open
         writer.close()
         size = sink.tell()
         sink.close()
+        sealer.grew(size, closed=True)
         final = shard_name(self.rank, self.next_index)
         record = ShardRecord(
             path=f"{SHARD_DIR}/{final}",
@@ -149,7 +198,7 @@ class ShardWriter:
             sample_ids=[s for s, _ in self._rows],
             num_tokens=[n for _, n in self._rows],
         )
-        self._sealing.append(_FullShard(tmp, self._sealers.submit(_seal, tmp), record))
+        self._sealing.append(_FullShard(tmp, sealed, record))
         self._open, self._rows, self._hidden_bytes = None, [], 0
         self.next_index += 1
 
@@ -182,12 +231,13 @@ class ShardWriter:
         """After an error: drop the shard being written (nothing of it is ever listed) and commit the
         full shards already being sealed, where that still works."""
         if self._open is not None:
-            tmp, sink, writer = self._open
+            tmp, sink, writer, sealer, _ = self._open
             try:
                 writer.close()
                 sink.close()
             except Exception:  # noqa: BLE001 - the disk may be full; the file goes either way
                 pass
+            sealer.grew(sealer.written, closed=True)  # let it end; its hash is never used
             tmp.unlink(missing_ok=True)
             self._open, self._rows, self._hidden_bytes = None, [], 0
         try:
