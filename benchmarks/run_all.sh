@@ -3,10 +3,11 @@
 #   OUT=bench_out bash benchmarks/run_all.sh [PEER_SCRIPT]
 # PEER_SCRIPT: ../shared/peer/speculators_dflash_step.py (needs the wheels of ../shared/peer/wheels.txt);
 # it runs beside our drafter at the same shape, tokens and anchors, and is skipped when not given.
-# One GPU: everything in turn (about 8 minutes). Two or more: the extraction benchmarks on GPU 0 and
-# the drafter, peer and training benchmarks on GPU 1 at the same time (each ratio is still measured
-# side by side within one process on one GPU; the other GPU's host load can only slow either side),
-# then the coupled baseline on both (about 8 minutes in all).
+# One GPU: everything in turn (about 12 minutes on an H200). Two or more: the extraction benchmarks
+# and the peer on GPU 0 while the training and drafter benchmarks run on GPU 1 (each ratio is still
+# measured side by side within one process on one GPU), then the coupled baseline on both. Measured
+# phase times on two H200s (2026-11-30): extraction 8B 151 s, hybrid 154 s, peer 109 s; training
+# 155 s, drafter 157 s; the coupled baseline needs about 3 minutes, so the whole is about 9.5 minutes.
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"
@@ -20,34 +21,34 @@ phase() { echo "== $1 $(date +%T)" | tee -a "$out/phases.txt"; }
   echo "host cores: $(nproc)"
 } | tee "$out/gpu.txt"
 
-extraction() {
+extraction_and_peer() {
   phase extract-qwen3-8b
   python3 benchmarks/extract.py --shape qwen3-8b --tokens 800000 --batch-tokens 16384 --json "$out/extract_qwen3_8b.json" > "$out/extract.log" 2>&1
   phase extract-qwen3_5
-  python3 benchmarks/extract.py --shape qwen3.6-27b-cut --layers-cut 8 --tokens 80000 --batch-tokens 16384 --json "$out/extract_qwen3_5_cut.json" >> "$out/extract.log" 2>&1
-  phase extraction-done
+  python3 benchmarks/extract.py --shape qwen3.6-27b-cut --layers-cut 8 --tokens 60000 --batch-tokens 16384 --json "$out/extract_qwen3_5_cut.json" >> "$out/extract.log" 2>&1
+  if [ -n "$peer" ]; then
+    phase peer
+    LOSS_IMPL=eager SHAPE=27b T=16384 MAX_ANCHORS=512 python3 "$peer" > "$out/peer.log" 2>&1
+    tail -1 "$out/peer.log" > "$out/peer.json"
+  fi
+  phase extraction-and-peer-done
 }
 drafter_and_training() {
   phase train
   python3 benchmarks/train.py --preset qwen3.6-27b --batches 10 --steps 20 --memory-steps 1000 --json "$out/train.json" > "$out/train.log" 2>&1
   phase drafter
   python3 benchmarks/drafter.py --preset qwen3.6-27b --tokens 16384 --anchors 512 --json "$out/drafter.json" > "$out/drafter.log" 2>&1
-  if [ -n "$peer" ]; then
-    phase peer
-    LOSS_IMPL=eager SHAPE=27b T=16384 MAX_ANCHORS=512 python3 "$peer" > "$out/peer.log" 2>&1
-    tail -1 "$out/peer.log" > "$out/peer.json"
-  fi
   phase drafter-and-training-done
 }
 
 if [ "$gpus" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=0; extraction ) &
+  ( export CUDA_VISIBLE_DEVICES=0; extraction_and_peer ) &
   ( export CUDA_VISIBLE_DEVICES=1; drafter_and_training )
   wait
   phase coupled
-  python3 benchmarks/coupled.py --shape qwen3-8b --drafter qwen3.6-27b --tokens 16384 --warmup 2 --steps 10 --json "$out/coupled.json" > "$out/coupled.log" 2>&1
+  python3 benchmarks/coupled.py --shape qwen3-8b --drafter qwen3.6-27b --tokens 16384 --warmup 2 --steps 8 --json "$out/coupled.json" > "$out/coupled.log" 2>&1
 else
-  extraction
+  extraction_and_peer
   drafter_and_training
 fi
 phase end
