@@ -274,8 +274,9 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     codec = job.spec["codec"]
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
     largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
+    slot_bytes = encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids))
     on_gpu = torch.device(job.device).type == "cuda"
-    encoder = _PartEncoder(job, _StagingRing(job.staging_slots, encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids)), on_gpu),
+    encoder = _PartEncoder(job, _StagingRing(job.staging_slots, slot_bytes, on_gpu),
                            torch.cuda.Stream(job.device) if on_gpu else None)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
