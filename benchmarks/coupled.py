@@ -143,6 +143,9 @@ def main() -> None:
     coupled_s = time.perf_counter() - tick
     coupled_tok_s, _ = steady_tok_s(work / "coupled", args.warmup)
     coupled_peak = {"target": peak_gb(target_device), "drafter": peak_gb(drafter_device)}
+    # Printed at once, so that a run stopped later still leaves this figure behind.
+    print(f"coupled: {coupled_tok_s:,.0f} tokens/s after the warm-up steps ({coupled_s:.0f} s with set-up and checkpoint)",
+          flush=True)
     drafter = json.loads((work / "coupled" / RUN_FILE).read_text())["drafter"]
     shutil.rmtree(work / "coupled")  # its checkpoint: the drafter with its optimizer state
 
@@ -159,6 +162,7 @@ def main() -> None:
     train(cached, echo=print)
     cache_s = time.perf_counter() - tick
     cache_tok_s, cache_peak_gib = steady_tok_s(work / "cached", args.warmup)
+    print(f"cache: {cache_tok_s:,.0f} tokens/s after the warm-up steps ({cache_s:.0f} s with set-up and checkpoint)", flush=True)
 
     ratio = cache_tok_s / coupled_tok_s
     result = {
