@@ -101,19 +101,20 @@ def test_without_labels_the_forward_stops_after_the_deepest_layer(target_dir):
     assert all(not target.layers[i]._forward_hooks for i in range(target.num_layers))
 
 
-def test_health_checks_report_bad_layers_and_ignore_padding():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_health_checks_report_bad_layers_and_ignore_padding(device):
     layers = [1, 9, 17]
-    hidden = torch.randn(3, 10, 3 * 8).bfloat16()
-    lengths = torch.tensor([10, 6, 10])
+    hidden = torch.randn(3, 10, 3 * 8).bfloat16().to(device)
+    lengths = torch.tensor([10, 6, 10], device=device)
     hidden[1, 6:] = float("nan")  # padding: not a problem
     hidden[0, :, 8:16] = 0  # sample 0: layer 9 all zeros
     hidden[2, [2, 5], 20] = float("inf")  # sample 2: layer 17 broken at 2 tokens
-    health = layer_health(hidden, lengths, len(layers)).numpy()
+    health = layer_health(hidden, lengths, len(layers)).cpu().numpy()
     assert describe_problem(health[0], layers, 10) == "layer 9 is all zeros"
     assert describe_problem(health[1], layers, 6) is None
     assert describe_problem(health[2], layers, 10) == "layer 17 has NaN/Inf values at 2 of 10 tokens"
     hidden[2, 3, 0] = float("nan")
-    health = layer_health(hidden, lengths, len(layers)).numpy()
+    health = layer_health(hidden, lengths, len(layers)).cpu().numpy()
     assert describe_problem(health[2], layers, 10) == "layer 1 has NaN/Inf values at 1 of 10 tokens"
 
 

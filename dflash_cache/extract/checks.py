@@ -18,14 +18,13 @@ def layer_health(hidden: torch.Tensor, lengths: torch.Tensor, num_layers: int) -
     a NaN/Inf value, and the number of real tokens with a nonzero value. Padding is ignored.
     """
     batch, seq, _ = hidden.shape
-    per_layer = hidden.view(batch, seq, num_layers, -1)
-    real = torch.arange(seq, device=hidden.device) < lengths[:, None]  # [B, T]
-    counts = torch.empty(batch, 2, num_layers, dtype=torch.int32, device=hidden.device)
-    for layer in range(num_layers):  # one layer at a time bounds the temporary masks
-        x = per_layer[:, :, layer]
-        counts[:, 0, layer] = ((~torch.isfinite(x)).any(-1) & real).sum(1)
-        counts[:, 1, layer] = ((x != 0).any(-1) & real).sum(1)
-    return counts
+    # One reduction over each token's layer slice, no full-size temporaries: NaN propagates into
+    # both extremes, an Inf shows in one of them, and an all-zero slice has both at 0.
+    low, high = torch.aminmax(hidden.view(batch, seq, num_layers, -1), dim=-1)  # [B, T, L]
+    real = (torch.arange(seq, device=hidden.device) < lengths[:, None])[..., None]  # [B, T, 1]
+    nonfinite = ~(torch.isfinite(low) & torch.isfinite(high)) & real
+    nonzero = ((low != 0) | (high != 0)) & real
+    return torch.stack([nonfinite.sum(1), nonzero.sum(1)], dim=1).to(torch.int32)
 
 
 def describe_problem(health: np.ndarray, layer_ids: list[int], num_tokens: int) -> str | None:
