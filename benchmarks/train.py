@@ -120,17 +120,23 @@ def timed(step, source, steps: int, anchors: int, device: str) -> tuple[float, f
     return tokens / (time.perf_counter() - start), in_next / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a cache-fed training benchmark (this one and train_remote.py)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-27b")
     parser.add_argument("--tokens", type=int, default=16384, help="token budget per batch")
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--memory-steps", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
+    return parser
+
+
+def main() -> None:
+    parser = run_parser(__doc__)
+    parser.add_argument("--memory-steps", type=int, default=1000)
     args = parser.parse_args()
     device = args.device
     config = load_drafter_config(args.preset)

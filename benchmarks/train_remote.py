@@ -15,7 +15,6 @@ lower bound on what S3 gives.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.train import make_step, timed, write_cache
+from benchmarks.train import make_step, run_parser, timed, write_cache
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.stream.caches import CacheSet
@@ -51,16 +50,7 @@ def start_s3_server() -> subprocess.Popen:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3.6-27b")
-    parser.add_argument("--tokens", type=int, default=16384, help="token budget per batch")
-    parser.add_argument("--anchors", type=int, default=512)
-    parser.add_argument("--batches", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = run_parser(__doc__).parse_args()
     config = load_drafter_config(args.preset)
     work = Path(tempfile.mkdtemp(prefix="bench-train-remote-"))
     write_cache(work / "cache", config, args.batches * args.tokens, args.device)
@@ -91,7 +81,7 @@ def main() -> None:
                 fetch_s = time.perf_counter() - started
                 print(f"fetched every shard in {fetch_s:.1f} s", flush=True)
             with Loader(caches, cycle, args.device, prefetch=4, workers=args.workers) as loader:
-                results[name] = timed(step, loader, args.steps, args.anchors, args.device)
+                results[name], _ = timed(step, loader, args.steps, args.anchors, args.device)
             caches.close()
             print(f"{name:18s} {results[name]:,.0f} tokens/s", flush=True)
         stored = sum(p.stat().st_size for p in (work / "cache" / "shards").iterdir())
