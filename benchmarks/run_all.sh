@@ -7,7 +7,8 @@
 # and the peer on GPU 0 while the training and drafter benchmarks run on GPU 1 (each ratio is still
 # measured side by side within one process on one GPU), then the coupled baseline on both. Measured
 # phase times on two H200s (2026-11-30): extraction 8B 151 s, hybrid 154 s, peer 109 s; training
-# 155 s, drafter 157 s; the coupled baseline needs about 3 minutes, so the whole is about 9.5 minutes.
+# 155 s, drafter 157 s. The coupled baseline with 2 + 6 steps ran 200 s without finishing (its final
+# checkpoint was being written), so a two-GPU run needs about 10 minutes; give its call more if it can.
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"

@@ -133,8 +133,8 @@ class ShardWriter:
     Hashing and fsyncing a shard take as long as writing it, so a background thread does both while
     the shard is being written (following the file) and finishes after it is closed, while the next
     shard is written; the rename and the journal line follow in shard order on the caller's thread
-    (at the next `append`, or at `commit`). The commit protocol is unchanged: a shard
-    is renamed only once durable, and journaled only once renamed.
+    (at the next `append`, or at `commit`). A shard is renamed only once durable, and journaled only
+    once renamed.
 
     `on_journal(shard_path | None)` is called after each journal line is durable, with the path of
     the shard it committed (None for a skipped sample): extraction to a remote cache uploads there.
