@@ -15,7 +15,8 @@ the real trainer with the same options in both runs:
            so it goes through the samples about twice (a fresh loader starts the second epoch).
 A run's tokens/s is the tokens it trained on over its step times after the --warmup steps (its
 metrics.jsonl); goal: cache >= 2x coupled. Peak memory is what torch allocated on each GPU (for
-the cache run, rank 0's). Each run ends with the trainer's final checkpoint, not timed.
+the cache run, rank 0's). Neither run writes checkpoints (`--save-every 0`): they are not what is
+compared, and each would be a write of the drafter with its optimizer state (about 16 GB).
 With --device cpu everything runs on the CPU (the cache run as two processes): a smoke test.
 """
 
@@ -131,7 +132,8 @@ def main() -> None:
           f"on {target_device}; data: {num_samples} samples, {data_tokens} tokens; batches of <= {args.tokens} tokens, "
           f"{args.warmup} + {args.steps} steps a run", flush=True)
     common = {"drafter": args.drafter, "steps": steps, "token_budget": args.tokens, "max_anchors": args.max_anchors,
-              "eval_fraction": 0.0, "seed": 0}
+              "eval_fraction": 0.0, "seed": 0,
+              "save_every": 0}
 
     coupled = TrainConfig(out=str(work / "coupled"), live_target=str(target.path), data=[str(data)], num_draft_layers=5,
                           **({"gpus": [1], "target_gpus": [0]} if cuda else {"cpu_procs": 1}), **common)
@@ -144,10 +146,9 @@ def main() -> None:
     coupled_tok_s, _ = steady_tok_s(work / "coupled", args.warmup)
     coupled_peak = {"target": peak_gb(target_device), "drafter": peak_gb(drafter_device)}
     # Printed at once, so that a run stopped later still leaves this figure behind.
-    print(f"coupled: {coupled_tok_s:,.0f} tokens/s after the warm-up steps ({coupled_s:.0f} s with set-up and checkpoint)",
+    print(f"coupled: {coupled_tok_s:,.0f} tokens/s after the warm-up steps ({coupled_s:.0f} s with set-up)",
           flush=True)
     drafter = json.loads((work / "coupled" / RUN_FILE).read_text())["drafter"]
-    shutil.rmtree(work / "coupled")  # its checkpoint: the drafter with its optimizer state
 
     extract_s, stored = extract_cache(coupled, target, work / "cache", args.tokens)
     print(f"extracted {data_tokens} tokens in {extract_s:.1f} s ({stored / data_tokens:,.0f} bytes/token)", flush=True)
@@ -162,7 +163,7 @@ def main() -> None:
     train(cached, echo=print)
     cache_s = time.perf_counter() - tick
     cache_tok_s, cache_peak_gib = steady_tok_s(work / "cached", args.warmup)
-    print(f"cache: {cache_tok_s:,.0f} tokens/s after the warm-up steps ({cache_s:.0f} s with set-up and checkpoint)", flush=True)
+    print(f"cache: {cache_tok_s:,.0f} tokens/s after the warm-up steps ({cache_s:.0f} s with set-up)", flush=True)
 
     ratio = cache_tok_s / coupled_tok_s
     result = {

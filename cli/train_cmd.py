@@ -59,7 +59,7 @@ from dflash_cache.train.train import train
 @click.option("--eval-fraction", type=float, default=0.01, show_default=True,
               help="Share of samples held out for evaluation, chosen by a hash of the sample id.")
 @click.option("--eval-every", type=int, default=500, show_default=True, help="Evaluate every N steps (and at the end).")
-@click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps (and at the end).")
+@click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps (and at the end); 0: never, for throughput experiments (such a run cannot be resumed).")
 @click.option("--log-every", type=int, default=1, show_default=True,
               help="Print a progress line every N steps (metrics.jsonl gets every step).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its newest complete checkpoint.")

@@ -38,6 +38,13 @@ def test_eager_run_writes_metrics_checkpoint_and_tensorboard(tmp_path, cache):
     assert list((run / "tb").iterdir())
 
 
+def test_save_every_zero_writes_no_checkpoint(tmp_path, cache):
+    train(tiny_config(tmp_path, cache, steps=2, save_every=0))
+    run = tmp_path / "run"
+    assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2]
+    assert latest_checkpoint(run) is None
+
+
 def test_compiled_mode_matches_eager_with_one_graph(tmp_path, cache):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters

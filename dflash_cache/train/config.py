@@ -38,7 +38,7 @@ class TrainConfig:
     compile_backend: str = "inductor"
     eval_fraction: float = 0.01
     eval_every: int = 500
-    save_every: int = 1000
+    save_every: int = 1000  # 0: no checkpoints at all (a throughput experiment; it cannot be resumed)
     log_every: int = 1  # progress lines (metrics.jsonl gets every step regardless)
     resume: bool = False
     seed: int = 0
@@ -52,11 +52,13 @@ class TrainConfig:
     def check(self) -> None:
         self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
-                    "eval_every": self.eval_every, "save_every": self.save_every, "log_every": self.log_every,
+                    "eval_every": self.eval_every, "log_every": self.log_every,
                     "prefetch": self.prefetch, "workers": self.workers}
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.save_every < 0:
+            raise DFlashCacheError(f"--save-every must be at least 0 (got {self.save_every})")
         if self.epochs is not None and self.steps is not None:
             raise DFlashCacheError("give --epochs or --steps, not both")
         for name in ("epochs", "steps"):

@@ -186,14 +186,14 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source) -> None:
                         result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size)
                         if log is not None:
                             log.eval({"step": step, **result})
-                    if step % cfg.save_every == 0 or step == total:
+                    if cfg.save_every and (step % cfg.save_every == 0 or step == total):
                         save(out, model, optimizer, scheduler, position, me)
                         saved_at = step
                     tick = time.perf_counter()
             if position["epoch_step"] * cfg.grad_accum >= len(batches):
                 position["epoch"] += 1
                 position["epoch_step"] = 0
-        if saved_at != position["step"]:
+        if cfg.save_every and saved_at != position["step"]:
             save(out, model, optimizer, scheduler, position, me)
     finally:
         if log is not None:
