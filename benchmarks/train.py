@@ -47,13 +47,13 @@ from dflash_cache.stream.loader import Loader
 from dflash_cache.stream.memory import MemorySource
 
 
-def write_cache(root: Path, config, total_tokens: int, device: str) -> None:
+def write_cache(root: Path, config, total_tokens: int, device: str, shard_bytes: int = 1 << 30) -> None:
     spec = {"target": {"name": "synthetic", "model_type": "qwen3_5_text", "config_hash": "", "num_layers": config.num_target_layers,
                        "hidden_size": config.target_hidden_size, "vocab_size": config.vocab_size},
             "layer_ids": config.target_layer_ids, "codec": "bf16-zstd", "hidden_dtype": "bfloat16", "tokenizer_hash": "",
             "data_hash": "", "max_length": 8192, "topk": 0}
     g = torch.Generator().manual_seed(0)
-    writer = ShardWriter(root, 0, spec, max_shard_bytes=1 << 30)
+    writer = ShardWriter(root, 0, spec, max_shard_bytes=shard_bytes)
     width = len(config.target_layer_ids) * config.target_hidden_size
 
     def row(sample_id: int, n: int) -> Row:

@@ -7,7 +7,9 @@ no tokens, padded it wastes little. Each batch is filled up to the token budget 
 samples' lengths); a sample longer than the budget gets a batch of its own.
 
 Without a seed the plan is deterministic from the data (extraction): samples sorted by
-(length, id) inside each bucket, buckets from short to long. With a seed (training) samples are
+(length, id) inside each bucket, buckets from long to short. Long first, because a batch that does
+not fit in memory then shows at once, and because the last batch is the one whose compression and
+write nothing overlaps: short samples compress in parallel, one long sample on one thread. With a seed (training) samples are
 shuffled inside their bucket and the batch order is shuffled, both from a numpy Generator seeded by
 (seed, epoch), so every rank computes the same global plan whatever the world size.
 """
@@ -52,7 +54,7 @@ def plan_batches(
     bucket = _bucket_of(lens, length_buckets(int(lens.max())))
     rng = np.random.default_rng([seed, epoch]) if seed is not None else None
     batches: list[list[int]] = []
-    for k in np.unique(bucket):
+    for k in np.unique(bucket)[::-1] if rng is None else np.unique(bucket):
         members = np.flatnonzero(bucket == k)
         if rng is None:
             members = members[np.lexsort((ids[members], lens[members]))]
