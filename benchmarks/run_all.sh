@@ -3,12 +3,12 @@
 #   OUT=bench_out bash benchmarks/run_all.sh [PEER_SCRIPT]
 # PEER_SCRIPT: ../shared/peer/speculators_dflash_step.py (needs the wheels of ../shared/peer/wheels.txt);
 # it runs beside our drafter at the same shape, tokens and anchors, and is skipped when not given.
-# One GPU: everything in turn (about 12 minutes on an H200). Two or more: the extraction benchmarks
-# and the peer on GPU 0 while the training and drafter benchmarks run on GPU 1 (each ratio is still
-# measured side by side within one process on one GPU), then the coupled baseline on both. Measured
-# phase times on two H200s (2026-11-30): extraction 8B 151 s, hybrid 154 s, peer 109 s; training
-# 155 s, drafter 157 s. The coupled baseline with 2 + 6 steps ran 200 s without finishing (its final
-# checkpoint was being written), so a two-GPU run needs about 10 minutes; give its call more if it can.
+# One GPU: everything in turn. Two or more: first the coupled baseline on GPUs 0 and 1, then the
+# extraction benchmarks on GPU 0 while the drafter, peer and training benchmarks run on GPU 1 (each
+# ratio is still measured side by side within one process on one GPU, the peer on our drafter's GPU).
+# Phase times measured on H200s (2026-11-30): extraction 8B 158 s, hybrid 154 s (8 layers), peer
+# 109 s, training 155 s, drafter 157 s; the coupled baseline without checkpoints is expected near 120 s: so about 9.5 minutes on
+# two GPUs, about 14 on one (the coupled row needs two).
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"
@@ -22,35 +22,35 @@ phase() { echo "== $1 $(date +%T)" | tee -a "$out/phases.txt"; }
   echo "host cores: $(nproc)"
 } | tee "$out/gpu.txt"
 
-extraction_and_peer() {
+extraction() {
   phase extract-qwen3-8b
-  python3 benchmarks/extract.py --shape qwen3-8b --tokens 800000 --batch-tokens 16384 --json "$out/extract_qwen3_8b.json" > "$out/extract.log" 2>&1
+  python3 benchmarks/extract.py --shape qwen3-8b --tokens 1200000 --batch-tokens 16384 --json "$out/extract_qwen3_8b.json" > "$out/extract.log" 2>&1
   phase extract-qwen3_5
-  python3 benchmarks/extract.py --shape qwen3.6-27b-cut --layers-cut 8 --tokens 60000 --batch-tokens 16384 --json "$out/extract_qwen3_5_cut.json" >> "$out/extract.log" 2>&1
+  python3 benchmarks/extract.py --shape qwen3.6-27b-cut --layers-cut 16 --tokens 120000 --batch-tokens 16384 --json "$out/extract_qwen3_5_cut.json" >> "$out/extract.log" 2>&1
+  phase extraction-done
+}
+drafter_peer_training() {
+  phase drafter
+  python3 benchmarks/drafter.py --preset qwen3.6-27b --tokens 16384 --anchors 512 --json "$out/drafter.json" > "$out/drafter.log" 2>&1
   if [ -n "$peer" ]; then
     phase peer
     LOSS_IMPL=eager SHAPE=27b T=16384 MAX_ANCHORS=512 python3 "$peer" > "$out/peer.log" 2>&1
     tail -1 "$out/peer.log" > "$out/peer.json"
   fi
-  phase extraction-and-peer-done
-}
-drafter_and_training() {
   phase train
   python3 benchmarks/train.py --preset qwen3.6-27b --batches 10 --steps 20 --memory-steps 1000 --json "$out/train.json" > "$out/train.log" 2>&1
-  phase drafter
-  python3 benchmarks/drafter.py --preset qwen3.6-27b --tokens 16384 --anchors 512 --json "$out/drafter.json" > "$out/drafter.log" 2>&1
-  phase drafter-and-training-done
+  phase drafter-peer-training-done
 }
 
 if [ "$gpus" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=0; extraction_and_peer ) &
-  ( export CUDA_VISIBLE_DEVICES=1; drafter_and_training )
-  wait
   phase coupled
-  python3 benchmarks/coupled.py --shape qwen3-8b --drafter qwen3.6-27b --tokens 16384 --warmup 2 --steps 8 --json "$out/coupled.json" > "$out/coupled.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/coupled.py --shape qwen3-8b --drafter qwen3.6-27b --tokens 16384 --warmup 2 --steps 6 --json "$out/coupled.json" > "$out/coupled.log" 2>&1
+  ( export CUDA_VISIBLE_DEVICES=0; extraction ) &
+  ( export CUDA_VISIBLE_DEVICES=1; drafter_peer_training )
+  wait
 else
-  extraction_and_peer
-  drafter_and_training
+  extraction
+  drafter_peer_training
 fi
 phase end
 python3 benchmarks/table.py "$out" | tee "$out/table.md"
