@@ -6,9 +6,9 @@
 # One GPU: everything in turn. Two or more: first the coupled baseline on GPUs 0 and 1, then the
 # extraction benchmarks on GPU 0 while the drafter, peer and training benchmarks run on GPU 1 (each
 # ratio is still measured side by side within one process on one GPU, the peer on our drafter's GPU).
-# Phase times measured on H200s (2026-11-30): extraction 8B 158 s, hybrid 154 s (8 layers), peer
-# 109 s, training 155 s, drafter 157 s; the coupled baseline without checkpoints is expected near 120 s: so about 9.5 minutes on
-# two GPUs, about 14 on one (the coupled row needs two).
+# Measured on two H200s (run 3, 2026-11-30): coupled 128 s, then extraction 8B 159 s + hybrid 134 s
+# on GPU 0 beside drafter 149 s + peer 108 s + training 122 s on GPU 1: 537 s with the installs.
+# On one GPU the phases run in turn: by these times about 11 minutes, without the coupled row (it needs two).
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"

@@ -56,12 +56,15 @@ def test_batches_are_full(data):
             assert batch_tokens(b, length_of) + length_of[following[0]] > BUDGET
 
 
-def test_deterministic_plan_is_sorted_by_length(data):
+def test_deterministic_plan_runs_buckets_long_to_short(data):
     ids, lengths = data
     length_of = dict(zip(ids, lengths))
+    bounds = length_buckets(max(lengths))
+    bucket_of = lambda i: int(np.searchsorted(bounds, length_of[i], side="right")) - 1
     batches = plan_batches(ids, lengths, BUDGET, None)
     flat = [i for b in batches for i in b]
-    assert [(length_of[i], i) for i in flat] == sorted((length_of[i], i) for i in flat)
+    # buckets from the longest to the shortest, samples by (length, id) inside each
+    assert [(-bucket_of(i), length_of[i], i) for i in flat] == sorted((-bucket_of(i), length_of[i], i) for i in flat)
     assert plan_batches(ids, lengths, BUDGET, None) == batches
     # the input order does not matter
     order = np.random.default_rng(5).permutation(len(ids))
@@ -97,8 +100,8 @@ def test_rank_shares(data, world_size):
 
 def test_exact_small_plan():
     batches = plan_batches([10, 11, 12, 13, 14], [3, 70, 2, 5, 64], token_budget=8, seed=None)
-    # buckets: [1,64) holds 12, 10, 13 (2, 3, 5 tokens); [64,96) holds 14, 11 (64, 70 tokens)
-    assert batches == [[12, 10], [13], [14], [11]]
+    # buckets, long first: [64,96) holds 14, 11 (64, 70 tokens); [1,64) holds 12, 10, 13 (2, 3, 5 tokens)
+    assert batches == [[14], [11], [12, 10], [13]]
 
 
 def test_bad_input():
