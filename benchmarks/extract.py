@@ -27,9 +27,9 @@ import torch
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
-from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.runner import TargetRunner, padded_batch
 from dflash_cache.extract.target import resolve_layer_ids
-from dflash_cache.extract.worker import RankJob, _padded, run_rank
+from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
 
 
@@ -48,7 +48,7 @@ def profile_extraction(folder: Path, run) -> None:
 
 def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: str) -> dict[str, float]:
     """Stored bytes per token of each codec on one batch of this target's captured hidden states."""
-    input_ids, lengths = _padded(samples, device)
+    input_ids, lengths = padded_batch(samples, device)
     hidden = runner.run(input_ids, lengths).hidden
     sizes = dict.fromkeys(CODECS, 0)
     for b, n in enumerate(lengths.tolist()):
@@ -95,7 +95,7 @@ def main() -> None:
         start = time.perf_counter()
         with torch.inference_mode():
             for batch in batches:
-                input_ids, _ = _padded([by_id[i] for i in batch], device)
+                input_ids, _ = padded_batch([by_id[i] for i in batch], device)
                 model(input_ids=input_ids, use_cache=False)
         queued = time.perf_counter() - start
         sync()

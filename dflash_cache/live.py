@@ -28,7 +28,7 @@ from dflash_cache.data.dataset import Sample, load_samples
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.info import read_target_info
-from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.runner import TargetRunner, padded_batch
 from dflash_cache.extract.spec import make_spec
 from dflash_cache.extract.target import Target, load_target, resolve_layer_ids
 from dflash_cache.stream.caches import is_held_out
@@ -118,9 +118,8 @@ class LiveSource:
         # The target's GPU may not be the current one (the drafter's, under `train --target-gpus`).
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for group in self._forwards(samples):
-                lengths = torch.tensor([len(s.input_ids) for s in group])
-                rows = [torch.from_numpy(s.input_ids.astype(np.int64)) for s in group]
-                out = self.runner.run(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device), lengths)
+                input_ids, lengths = padded_batch(group, self.device)
+                out = self.runner.run(input_ids, lengths)
                 for b, n in enumerate(lengths.tolist()):
                     hidden.append(out.hidden[b, :n])
                     target_ids.append(out.target_ids[b, :n])

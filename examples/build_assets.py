@@ -36,6 +36,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_cache.data.tokenize import tokenize_conversation
+
 # Cross-platform modules present from Python 3.10 to 3.13 that import without side effects.
 MODULES = tuple(
     """
@@ -284,26 +286,9 @@ def train_tokenizer(conversations: list[dict], vocab_size: int) -> PreTrainedTok
     return tokenizer
 
 
-def tokenize(conversations: list[dict], tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template(c["messages"], tokenize=True, return_dict=True)["input_ids"]
-        for c in conversations
-    ]
-
-
-def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerFast) -> list[bool]:
-    """True on the tokens of assistant turns (their text and closing <|im_end|>), the tokens a drafter learns."""
-    start_token = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    header = [start_token, *tokenizer.encode("assistant\n", add_special_tokens=False)]
-    mask = [False] * len(ids)
-    for start in range(len(ids)):
-        if ids[start : start + len(header)] != header:
-            continue
-        for i in range(start + len(header), len(ids)):
-            mask[i] = True
-            if ids[i] == tokenizer.eos_token_id:
-                break
-    return mask
+def tokenize(conversations: list[dict], tokenizer: PreTrainedTokenizerFast) -> list[tuple[list[int], list[int]]]:
+    """Token ids and assistant-token mask of each conversation, as `extract` makes them."""
+    return [tokenize_conversation(tokenizer, c["messages"]) for c in conversations]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,10 +365,10 @@ def evaluate(model, tokenizer, conversations: list[dict]) -> dict:
     """Teacher-forced greedy next-token accuracy and perplexity on the assistant tokens."""
     correct = count = 0
     nll = 0.0
-    for ids in tokenize(conversations, tokenizer):
+    for ids, assistant in tokenize(conversations, tokenizer):
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
         labels = torch.tensor(ids[1:])
-        mask = torch.tensor(assistant_mask(ids, tokenizer)[1:])
+        mask = torch.tensor(assistant[1:], dtype=torch.bool)
         correct += (logits.argmax(-1) == labels)[mask].sum().item()
         nll += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
         count += mask.sum().item()
@@ -462,7 +447,7 @@ def build(config: BuildConfig) -> dict:
 
     print("training the tokenizer ...", flush=True)
     tokenizer = train_tokenizer(train, config.vocab_size)
-    sequences = tokenize(train, tokenizer)
+    sequences = [ids for ids, _ in tokenize(train, tokenizer)]
 
     print(f"training the target on {sum(map(len, sequences))} tokens ...", flush=True)
     train_started = time.time()

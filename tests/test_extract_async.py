@@ -13,9 +13,9 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.runner import TargetRunner, padded_batch
 from dflash_cache.extract.target import load_target
-from dflash_cache.extract.worker import RankJob, _padded, run_rank
+from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
 from dflash_cache.store.verify import verify_cache
 
@@ -47,7 +47,7 @@ def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec)
     runner = TargetRunner(target, LAYERS, topk=2)
     reference = {}
     for batch in batches:
-        input_ids, lengths = _padded([samples[i] for i in batch], DEVICE)
+        input_ids, lengths = padded_batch([samples[i] for i in batch], DEVICE)
         out = runner.run(input_ids, lengths)
         for b, sid in enumerate(batch):
             n = int(lengths[b])

@@ -7,12 +7,11 @@ import random
 import shutil
 
 import pytest
-from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache import open_cache
 from dflash_cache.store.manifest import manifest_checksum
 from tests.test_extract import run_extract
+from tests.test_faults_cli import cli, one_line_error
 from tests.test_train_helpers import drafter_json
 from tests.tiny import build_target, write_conversations
 
@@ -28,17 +27,6 @@ def setup(tmp_path_factory):
     run_extract(target, data, root / "cache", max_shard_bytes=20 << 10)
     drafter = drafter_json(root / "drafter.json", hidden_size=64, vocab_size=384, target_layer_ids=[1, 4], mask_token_id=3)
     return target, data, root / "cache", drafter
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stderr
-
-
-def one_line_error(code, err, *needles):
-    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
 
 
 def damage(source, dest, name, how, seed=0):

@@ -6,11 +6,7 @@ or export folders) · prompts.py
 """
 
 from dflash_cache.eval.offline import OfflineOptions, OfflineReport, evaluate_offline
-from dflash_cache.eval.speculative import (
-           SpeculativeOptions,
-           SpeculativeReport,
-           evaluate_speculative,
-)
+from dflash_cache.eval.speculative import SpeculativeOptions, SpeculativeReport, evaluate_speculative
 
 __all__ = ["OfflineOptions", "OfflineReport", "SpeculativeOptions", "SpeculativeReport", "evaluate_offline",
            "evaluate_speculative"]

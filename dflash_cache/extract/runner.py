@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
+from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.target import Target
 
 
@@ -28,6 +30,15 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded_batch(samples: list[Sample], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples' token ids right-padded with zeros, [B, T] on `device`, and their lengths [B] on the CPU."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
+    ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
+    for b, s in enumerate(samples):
+        ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
+    return to_device(ids, device), lengths
 
 
 class _StopForward(Exception):

@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dflash_cache import faults
@@ -28,7 +27,7 @@ from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.runner import TargetRunner, to_device
+from dflash_cache.extract.runner import TargetRunner, padded_batch, to_device
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
 from dflash_cache.store.codecs import compress, encode, encoded_size
@@ -193,14 +192,6 @@ def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int],
         copy.release()
 
 
-def _padded(samples: list[Sample], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(s.input_ids) for s in samples])
-    ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
-    for b, s in enumerate(samples):
-        ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
-    return to_device(ids, device), lengths
-
-
 class _Writer(threading.Thread):
     """Takes lists of futures in order and appends their rows; keeps the first error it meets."""
 
@@ -291,7 +282,7 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         for batch in job.batches:
             pending = list(batch)
             while pending and not all(sid in job.done for sid in pending):
-                input_ids, lengths = _padded([job.samples[sid] for sid in pending], job.device)
+                input_ids, lengths = padded_batch([job.samples[sid] for sid in pending], job.device)
                 faults.point("extract.forward")
                 try:
                     for part in run_with_split(runner, input_ids, lengths, pending):

@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.shard import file_sha256
-from dflash_cache.store.manifest import read_journals
-from dflash_cache.store.shard import JOURNAL_DIR
+from dflash_cache.store.manifest import read_journals, spec_differences
+from dflash_cache.store.shard import JOURNAL_DIR, file_sha256
 
 
 def hash_target_files(target_dir: Path) -> dict[str, str]:
@@ -46,9 +45,7 @@ def check_journals(cache) -> None:
                                 "rebuilds the manifest from the journals: restore the right one first)")
 
     if state.spec != cache.spec:
-        journal_spec = state.spec or {}
-        fields = [f"{k}: {journal_spec.get(k)} -> {cache.spec.get(k)}" for k in sorted(set(journal_spec) | set(cache.spec))
-                  if journal_spec.get(k) != cache.spec.get(k)]
+        fields = spec_differences(state.spec or {}, cache.spec)
         raise disagree(f"the journals hold another spec than the manifest ({'; '.join(fields)})")
     listed = {s.path: s.__dict__ for s in cache.shards}
     journaled = {s.path: s.__dict__ for s in state.shards}

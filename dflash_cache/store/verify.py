@@ -10,9 +10,8 @@ from pathlib import Path
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.cache import Cache
 from dflash_cache.store.codecs import decode
-from dflash_cache.store.shard import file_sha256
 from dflash_cache.store.integrity import check_journals, check_target_files
-from dflash_cache.store.shard import ShardReader, ShardRecord
+from dflash_cache.store.shard import ShardReader, ShardRecord, file_sha256
 
 import torch
 
