@@ -17,14 +17,19 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--num-draft-layers", type=int, help="Capture N layers spread evenly from 1 to num_layers-3 (the reference DFlash rule). Default 5 when --layers is not given.")
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.")
 @click.option("--gpus", type=INT_LIST, help="GPUs to use, one process each, e.g. 0-4. Default: every visible GPU; the CPU when there is none.")
-@click.option("--token-budget", type=int, default=49152, show_default=True, help="Tokens (with padding) per target forward.")
+@click.option("--token-budget", type=int, default=49152, show_default=True, help="Tokens (with padding) per target forward. Packed rows hold max(this, the longest sample) tokens.")
 @click.option("--max-length", type=int, default=8192, show_default=True, help="Longer samples are truncated (counted in the summary and manifest).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also store the target's top-K ids and log-probs per position.")
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
 @click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, help="Processes for tokenizing conversations (0: in the main process).")
-def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers):
+@click.option("--batching", type=click.Choice(["auto", "packed", "padded"]), default="auto", show_default=True,
+              help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, qwen3_5, qwen2, llama); "
+                   "padded: one sample per row, on a few fixed shapes; auto: packed where the target supports it.")
+@click.option("--kernel-cache", type=click.Path(path_type=Path),
+              help="Folder for compiled and autotuned kernels, kept between runs and shared by the ranks of a node (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR). Default: Triton's own cache.")
+def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers, batching, kernel_cache):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -37,15 +42,16 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         target=target, data=list(data), out=out, layers=layers, num_draft_layers=num_draft_layers, codec=codec,
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
+        batching=batching, kernel_cache=kernel_cache,
     )
     bar = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
 
-    def on_plan(samples: int, tokens: int) -> None:
+    def on_plan(samples: int, tokens: int, layout: str) -> None:
         nonlocal bar
         if not samples:
             return
-        click.echo(f"to extract: {samples} samples, {tokens} tokens", err=True)
+        click.echo(f"to extract: {samples} samples, {tokens} tokens; the target runs {layout}", err=True)
         bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True, disable=None)
 
     def on_progress(p) -> None:
@@ -69,6 +75,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     )
     for r in summary.ranks:
         rate = r.tokens / max(r.compute_s, 1e-9)
-        click.echo(f"  rank {r.rank}: {r.tokens} tokens, {rate:,.0f} tokens/s, {r.wait_s:.1f} s waiting on disk")
+        click.echo(f"  rank {r.rank}: {r.tokens} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
+                   f"before the first batch, {r.wait_s:.1f} s waiting on disk")
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")

@@ -7,8 +7,8 @@ line after the source shared with training from a cache, and a cache run can be 
 
 Bit-for-bit equality with a cache needs the target to compute each sample the same way in both:
 a bf16 forward's rounding depends on the batch it runs in (its shape picks the kernels). The rule:
-by default LiveSource runs every sample alone, unpadded, as extraction does with `--token-budget 1`
-on the same device; so a `bf16-zstd` (lossless) cache extracted that way trains to identical losses.
+by default LiveSource runs every sample alone, padded to its length bucket, as extraction does with
+`--batching padded --token-budget 1` on the same device (the same BucketLayout builds both); so a `bf16-zstd` (lossless) cache extracted that way trains to identical losses.
 `forward_tokens` instead packs a batch's samples into padded forwards (faster on a GPU; equal to a
 cache only up to that rounding).
 """
@@ -28,6 +28,7 @@ from dflash_cache.data.dataset import Sample, load_samples
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.info import read_target_info
+from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.runner import TargetRunner, padded_batch
 from dflash_cache.extract.spec import make_spec
 from dflash_cache.extract.target import Target, load_target, resolve_layer_ids
@@ -69,6 +70,7 @@ class LiveSource:
         self.layer_ids = resolve_layer_ids(self.info.num_layers, layers, num_draft_layers)
         self.device = built.model.device if built else torch.device(device)
         self.forward_tokens = forward_tokens
+        self.alone = BucketLayout(token_budget=1, max_length=max_length)
         tokenizer = AutoTokenizer.from_pretrained(self.info.path, local_files_only=True)
         loaded = load_samples(list(data), tokenizer, max_length)
         self.samples: list[Sample] = loaded.samples
@@ -118,9 +120,11 @@ class LiveSource:
         # The target's GPU may not be the current one (the drafter's, under `train --target-gpus`).
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for group in self._forwards(samples):
-                input_ids, lengths = padded_batch(group, self.device)
-                out = self.runner.run(input_ids, lengths)
-                for b, n in enumerate(lengths.tolist()):
+                if self.forward_tokens is None:
+                    out = self.runner.run_batch(self.alone.build(group, self.device))
+                else:
+                    out = self.runner.run(*padded_batch(group, self.device))
+                for b, n in enumerate(len(s.input_ids) for s in group):
                     hidden.append(out.hidden[b, :n])
                     target_ids.append(out.target_ids[b, :n])
         cu_seqlens = torch.zeros(len(samples) + 1, dtype=torch.int32)

@@ -40,11 +40,14 @@ def test_cache_matches_hf_reference(target_dir, conversations, tmp_path):
         with torch.no_grad():
             out = model(sample.input_ids[None], output_hidden_states=True)
         ref = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
-        # Batched with padding vs alone: same math, but bf16 kernels may block differently.
+        # Packed with other samples vs alone: same math, but bf16 kernels of other shapes round
+        # differently, so an argmax may flip between logits a rounding step apart, never further.
         torch.testing.assert_close(sample.hidden.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        assert (sample.target_ids == out.logits[0].argmax(-1)).float().mean() >= 0.98
-        ref_top = torch.log_softmax(out.logits[0].float(), -1).topk(3, dim=-1)
-        assert (sample.topk_ids[:, 0] == ref_top.indices[:, 0]).float().mean() >= 0.98
+        logits = out.logits[0].float()
+        step = 2 * torch.finfo(torch.bfloat16).eps * logits.abs().amax(-1)
+        for ids in (sample.target_ids, sample.topk_ids[:, 0]):
+            gap = logits.amax(-1) - logits.gather(1, ids[:, None])[:, 0]
+            assert (gap <= step).all() and (gap == 0).float().mean() >= 0.9
     masked = tokenizer.decode(cache[0].input_ids[cache[0].loss_mask])
     assert convs[0][-1]["content"] in masked and "user" not in masked.split(convs[0][-1]["content"])[-1]
 

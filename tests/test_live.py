@@ -22,7 +22,7 @@ SEED = 3
 def cache(qwen3_target_dir, conversations, tmp_path_factory):
     """A bf16-zstd cache extracted one sample per target forward (--token-budget 1)."""
     out = tmp_path_factory.mktemp("live") / "cache"
-    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=out, layers=LAYERS, token_budget=1))
+    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=out, layers=LAYERS, token_budget=1, batching="padded"))
     return out
 
 

@@ -1,8 +1,13 @@
 """TargetRunner against the Hugging Face reference: hooked layers, chunked labels, early stop,
 padding, sample checks and the out-of-memory split."""
 
+import numpy as np
 import pytest
 import torch
+
+from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.packing import PackedLayout
 
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.runner import TargetRunner
@@ -50,7 +55,7 @@ def test_hidden_matches_hf_reference(target_dir, dtype):
         alone = target.model(input_ids=input_ids[b : b + 1, :n], output_hidden_states=True).hidden_states
         for slot, i in enumerate(LAYERS[:-1]):
             torch.testing.assert_close(layer(out.hidden[b, :n], slot), alone[i + 1][0].bfloat16(), **tol)
-    health = layer_health(out.hidden, LENGTHS, len(LAYERS)).numpy()
+    health = layer_health(out.hidden, torch.arange(3) * 70, LENGTHS, len(LAYERS)).numpy()
     assert all(describe_problem(health[b], LAYERS, int(n)) is None for b, n in enumerate(LENGTHS.tolist()))
 
 
@@ -105,56 +110,81 @@ def test_without_labels_the_forward_stops_after_the_deepest_layer(target_dir):
 def test_health_checks_report_bad_layers_and_ignore_padding(device):
     layers = [1, 9, 17]
     hidden = torch.randn(3, 10, 3 * 8).bfloat16().to(device)
-    lengths = torch.tensor([10, 6, 10], device=device)
+    offsets, lengths = torch.tensor([0, 10, 20], device=device), torch.tensor([10, 6, 10], device=device)
     hidden[1, 6:] = float("nan")  # padding: not a problem
     hidden[0, :, 8:16] = 0  # sample 0: layer 9 all zeros
     hidden[2, [2, 5], 20] = float("inf")  # sample 2: layer 17 broken at 2 tokens
-    health = layer_health(hidden, lengths, len(layers)).cpu().numpy()
+    health = layer_health(hidden, offsets, lengths, len(layers)).cpu().numpy()
     assert describe_problem(health[0], layers, 10) == "layer 9 is all zeros"
     assert describe_problem(health[1], layers, 6) is None
     assert describe_problem(health[2], layers, 10) == "layer 17 has NaN/Inf values at 2 of 10 tokens"
     hidden[2, 3, 0] = float("nan")
-    health = layer_health(hidden, lengths, len(layers)).cpu().numpy()
+    health = layer_health(hidden, offsets, lengths, len(layers)).cpu().numpy()
     assert describe_problem(health[2], layers, 10) == "layer 1 has NaN/Inf values at 1 of 10 tokens"
 
 
+def test_health_checks_of_packed_samples():
+    """Two samples in one row at positions 0-4 and 7-11; the gap and the tail are padding."""
+    layers = [0, 1]
+    hidden = torch.randn(1, 16, 2 * 8).bfloat16()
+    hidden[0, 5:7] = float("nan")
+    hidden[0, 12:] = 0
+    hidden[0, 9, 3] = float("-inf")  # second sample, layer 0
+    health = layer_health(hidden, torch.tensor([0, 7]), torch.tensor([5, 5]), len(layers)).numpy()
+    assert health.shape == (2, 2, 2)
+    assert describe_problem(health[0], layers, 5) is None
+    assert describe_problem(health[1], layers, 5) == "layer 0 has NaN/Inf values at 1 of 5 tokens"
+    hidden[0, 0:5, 8:] = 0
+    health = layer_health(hidden, torch.tensor([0, 7]), torch.tensor([5, 5]), len(layers)).numpy()
+    assert describe_problem(health[0], layers, 5) == "layer 1 is all zeros"
+
+
 class FakeOOMRunner(TargetRunner):
-    """Raises the CUDA out-of-memory error for batches of more than `limit` padded tokens."""
+    """Raises the CUDA out-of-memory error for forwards of more than `limit` positions."""
 
     def __init__(self, *args, limit: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.limit = limit
         self.shapes = []
 
-    def run(self, input_ids, lengths):
-        self.shapes.append(tuple(input_ids.shape))
-        if input_ids.numel() > self.limit:
+    def run_batch(self, fb):
+        self.shapes.append(fb.shape)
+        if fb.input_ids.numel() > self.limit:
             raise torch.cuda.OutOfMemoryError("fake: CUDA out of memory")
-        return super().run(input_ids, lengths)
+        return super().run_batch(fb)
 
 
-def test_oom_splits_the_batch_down_to_single_samples(qwen3_target_dir):
-    target = load_target(qwen3_target_dir, "cpu", torch.float32)
-    lengths = torch.tensor([30, 4, 12, 20, 7])
-    input_ids = right_padded_batch(target.vocab_size, lengths)
-    sample_ids = [100, 101, 102, 103, 104]
-    runner = FakeOOMRunner(target, [1, 3], limit=40)
+def samples_of(lengths, vocab_size, first_id=100):
+    g = torch.Generator().manual_seed(3)
+    return [Sample(first_id + i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, bool))
+            for i, n in enumerate(lengths)]
 
-    parts = list(run_with_split(runner, input_ids, lengths, sample_ids))
-    assert runner.shapes == [(5, 30), (2, 30), (1, 30), (1, 4), (3, 20), (1, 12), (2, 20)]
-    assert [p.sample_ids for p in parts] == [[100], [101], [102], [103, 104]]
-    whole = TargetRunner(target, [1, 3]).run(input_ids, lengths)
-    row = 0
-    for part in parts:
-        for b, n in enumerate(part.lengths.tolist()):
-            assert n == lengths[row]
-            torch.testing.assert_close(part.output.hidden[b, :n], whole.hidden[row, :n], atol=1e-5, rtol=2**-7)
-            assert torch.equal(part.output.target_ids[b, :n], whole.target_ids[row, :n])
-            row += 1
-    assert row == 5
 
-    # A sample that does not fit alone names itself.
-    runner = FakeOOMRunner(target, [1, 3], limit=25)
+@pytest.mark.parametrize("layout, limit, shapes", [
+    # a row of 128 does not fit: halves of 2 and 3 samples in rows of max(128 / 2, their tokens rounded up to 64)
+    (PackedLayout(128), 64, [(1, 128), (1, 64), (1, 64)]),
+    # 5 rows of the 64-token bucket do not fit: halves on ceil(5 / 2) rows
+    (BucketLayout(token_budget=320, max_length=64), 192, [(5, 64), (3, 64), (3, 64)]),
+], ids=["packed", "padded"])
+def test_oom_splits_the_batch(qwen3_target_dir, layout, limit, shapes):
+    target = load_target(qwen3_target_dir, "cpu", torch.float32, attention=layout.attention)
+    samples = samples_of([30, 4, 12, 20, 7], target.vocab_size)
+    runner = FakeOOMRunner(target, [1, 3], limit=limit)
+    parts = list(run_with_split(runner, layout, samples, "cpu"))
+    assert runner.shapes == shapes
+    assert [p.sample_ids for p in parts] == [[100, 101], [102, 103, 104]]
+    done = [(sid, part, i) for part in parts for i, sid in enumerate(part.sample_ids)]
+    for (sid, part, i), sample in zip(done, samples):
+        n, row, start = len(sample.input_ids), int(part.batch.rows[i]), int(part.batch.starts[i])
+        alone = target.model(input_ids=torch.from_numpy(sample.input_ids.astype(np.int64))[None], output_hidden_states=True)
+        torch.testing.assert_close(layer(part.output.hidden[row, start : start + n], 0, 64), alone.hidden_states[2][0].bfloat16(),
+                                   atol=1e-5, rtol=2**-7)
+        assert torch.equal(part.output.target_ids[row, start : start + n], alone.logits[0].argmax(-1))
+
+
+def test_a_sample_that_does_not_fit_alone_names_itself(qwen3_target_dir):
+    target = load_target(qwen3_target_dir, "cpu", torch.float32, attention=PackedLayout(128).attention)
+    runner = FakeOOMRunner(target, [1, 3], limit=16)
     with pytest.raises(SampleOutOfMemory, match="sample 100 \\(30 tokens\\)") as info:
-        list(run_with_split(runner, input_ids, lengths, sample_ids))
+        list(run_with_split(runner, PackedLayout(128), samples_of([30, 4, 12, 20, 7], target.vocab_size), "cpu"))
     assert info.value.sample_id == 100

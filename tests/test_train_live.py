@@ -18,7 +18,7 @@ TIMING = {"tokens_per_s", "step_time_s"}
 def setup(qwen3_target_dir, conversations, tmp_path_factory):
     root = tmp_path_factory.mktemp("train-live")
     cache = root / "cache"
-    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=cache, layers=LAYERS, token_budget=1))
+    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=cache, layers=LAYERS, token_budget=1, batching="padded"))
     drafter = drafter_json(root / "drafter.json", hidden_size=64, head_dim=16, target_layer_ids=LAYERS)
     return cache, drafter, qwen3_target_dir, conversations
 

@@ -11,20 +11,23 @@ import numpy as np
 import torch
 
 
-def layer_health(hidden: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """hidden: a right-padded batch's capture [B, T, L*H]; lengths: [B] on hidden's device.
+def layer_health(hidden: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """hidden: a forward's capture [B, T, L*H]; sample i holds the flattened positions offsets[i] to
+    offsets[i] + lengths[i] (both [n] int64 on hidden's device).
 
-    Returns int32 [B, 2, L] on hidden's device: per sample and layer, the number of real tokens with
-    a NaN/Inf value, and the number of real tokens with a nonzero value. Padding is ignored.
+    Returns int32 [n, 2, L] on hidden's device: per sample and layer, the number of its tokens with
+    a NaN/Inf value, and the number of its tokens with a nonzero value. Other positions are ignored.
     """
     batch, seq, _ = hidden.shape
     # One reduction over each token's layer slice, no full-size temporaries: NaN propagates into
     # both extremes, an Inf shows in one of them, and an all-zero slice has both at 0.
-    low, high = torch.aminmax(hidden.view(batch, seq, num_layers, -1), dim=-1)  # [B, T, L]
-    real = (torch.arange(seq, device=hidden.device) < lengths[:, None])[..., None]  # [B, T, 1]
-    nonfinite = ~(torch.isfinite(low) & torch.isfinite(high)) & real
-    nonzero = ((low != 0) | (high != 0)) & real
-    return torch.stack([nonfinite.sum(1), nonzero.sum(1)], dim=1).to(torch.int32)
+    low, high = torch.aminmax(hidden.view(batch * seq, num_layers, -1), dim=-1)  # [B*T, L]
+    nonfinite = ~(torch.isfinite(low) & torch.isfinite(high))
+    nonzero = (low != 0) | (high != 0)
+    flags = torch.stack([nonfinite, nonzero], dim=1).to(torch.int32)  # [B*T, 2, L]
+    # Per-sample sums as differences of a running sum: one pass, whatever the number of samples.
+    running = torch.cat([torch.zeros_like(flags[:1]), flags.cumsum(0, dtype=torch.int32)])
+    return running[offsets + lengths] - running[offsets]
 
 
 def describe_problem(health: np.ndarray, layer_ids: list[int], num_tokens: int) -> str | None:

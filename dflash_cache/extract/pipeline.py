@@ -24,7 +24,11 @@ import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 from dflash_cache.data.dataset import load_samples
-from dflash_cache.data.plan import plan_batches, shard_for_rank
+from dflash_cache.data.plan import shard_for_rank
+from dflash_cache.extract.batch import Layout
+from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.packing import PackedLayout
+from dflash_cache.extract.varlen import packed_support
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
 from dflash_cache.extract.spec import make_spec
@@ -56,6 +60,8 @@ class ExtractOptions:
     max_shard_bytes: int = 512 << 20
     compress_threads: int | None = None
     tokenize_workers: int = 0
+    batching: str = "auto"  # packed | padded | auto (packed where the target supports it exactly)
+    kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see extract/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
 
 
@@ -99,6 +105,8 @@ def _check_options(opts: ExtractOptions) -> None:
         raise DFlashCacheError(f"--max-length must be at least 2, got {opts.max_length}")
     if opts.topk < 0:
         raise DFlashCacheError(f"--topk must be 0 or more, got {opts.topk}")
+    if opts.batching not in ("auto", "packed", "padded"):
+        raise DFlashCacheError(f"--batching must be auto, packed or padded, got {opts.batching!r}")
     if opts.on_bad_sample not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
     for path in opts.data:
@@ -127,9 +135,21 @@ def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
     return max(used, default=-1) + 1
 
 
-def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None, on_plan: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
-    """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens)`
-    is called once with the work left to do."""
+def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length: int, longest: int) -> Layout:
+    """Packed rows of max(token budget, longest sample) tokens where the target runs them exactly;
+    else padded batches on a fixed set of shapes."""
+    reason = packed_support(info.config.get_text_config())
+    if batching == "packed" and reason is not None:
+        raise DFlashCacheError(f"--batching packed: {reason}; use --batching padded")
+    if batching == "padded" or reason is not None:
+        return BucketLayout(token_budget, max_length)
+    return PackedLayout(max(token_budget, longest))
+
+
+def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None,
+            on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None) -> ExtractSummary:
+    """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens,
+    layout)` is called once with the work left to do and how the target will run it."""
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
@@ -154,7 +174,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers)
         if not data.samples:
             raise DFlashCacheError("the data files hold no samples")
-        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk)
+        layout = choose_layout(info, opts.batching, opts.token_budget, opts.max_length, int(data.lengths().max()))
+        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, layout)
         state = read_journals(store)
         if state.spec is not None and state.spec != spec:
             diffs = "; ".join(spec_differences(state.spec, spec))
@@ -169,24 +190,24 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
         done = state.done_sample_ids()
         all_ids = [s.sample_id for s in data.samples]
-        batches = plan_batches(all_ids, data.lengths(), opts.token_budget, seed=None)
+        batches = layout.plan(all_ids, data.lengths().tolist())
         by_id = {s.sample_id: s for s in data.samples}
         left = [s for s in data.samples if s.sample_id not in done]
-        on_plan(len(left), sum(len(s.input_ids) for s in left))
+        on_plan(len(left), sum(len(s.input_ids) for s in left), layout.describe())
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
         for rank, device in zip(rank_ids, devices):
             mine = shard_for_rank(batches, rank, world, drop_remainder=False)
             jobs.append(
                 RankJob(
-                    root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, batches=mine,
+                    root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, layout=layout, batches=mine,
                     samples={sid: by_id[sid] for batch in mine for sid in batch},
                     done={sid for batch in mine for sid in batch if sid in done},
                     first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
                     # Again when a run died before journaling their hashes (a head file may be partial).
                     write_target_files=rank == 0 and (state.target_files is None or not _exists(store, HEAD)),
-                    uploader=None if remote is None else Uploader(remote, root, rank),
+                    kernel_cache=opts.kernel_cache, uploader=None if remote is None else Uploader(remote, root, rank),
                 )
             )
         summaries = _run_jobs(jobs, on_progress)

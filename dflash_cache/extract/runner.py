@@ -1,8 +1,10 @@
-"""Run the target on a right-padded batch: capture chosen layers with hooks, and label every token
-with the target's own next-token prediction through a chunked LM head."""
+"""Run the target on one forward batch (packed rows or right-padded rows, extract/batch.py): capture
+the chosen layers with hooks, and label every real token with the target's own next-token
+prediction through a chunked LM head."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -10,26 +12,20 @@ import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.batch import ForwardBatch, to_device
 from dflash_cache.extract.target import Target
+from dflash_cache.extract.varlen import packed_kernels
 
 
 @dataclass
 class TargetOutput:
-    """Per-token results for a right-padded batch; positions at or past a sample's length are junk
-    in `hidden` and -1 / 0 in the label tensors."""
+    """Per-position results for a forward batch; positions no sample occupies are junk in `hidden`
+    and -1 / 0 in the label tensors."""
 
     hidden: torch.Tensor  # [B, T, L*H] bf16, column block j is layer layer_ids[j]'s output
     target_ids: torch.Tensor | None  # [B, T] int64, argmax of the target's logits
     topk_ids: torch.Tensor | None  # [B, T, K] int64
     topk_logprobs: torch.Tensor | None  # [B, T, K] float32
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device: a copy from pageable memory would
-    wait for every kernel queued before it, so the tensor is pinned first."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def padded_batch(samples: list[Sample], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,12 +60,19 @@ class TargetRunner:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> TargetOutput:
-        """input_ids: [B, T] right-padded on the model's device; lengths: [B] (best on the CPU).
+        """input_ids: [B, T] right-padded on the model's device, one sample per row; lengths: [B]."""
+        lengths = lengths.cpu().long()
+        rows = torch.arange(len(lengths))
+        return self.run_batch(ForwardBatch(rows.tolist(), input_ids, lengths, rows, torch.zeros_like(rows)))
 
-        No attention mask is passed: with causal attention, and with the causal conv and recurrence
-        of linear-attention layers, tokens after position t never change position t, so the padding
-        tail cannot alter the real tokens (tests check this against each sample run alone).
+    @torch.inference_mode()
+    def run_batch(self, fb: ForwardBatch) -> TargetOutput:
+        """No attention mask is passed. Padded rows need none: with causal attention, and with the
+        causal conv and recurrence of linear-attention layers, tokens after position t never change
+        position t, so the padding tail cannot alter the real tokens. Packed rows carry their sample
+        boundaries instead (extract/varlen.py). Tests check both against each sample run alone.
         """
+        input_ids = fb.input_ids
         batch, seq = input_ids.shape
         width = self.target.hidden_size
         hidden = torch.empty(batch, seq, len(self.layer_ids) * width, dtype=torch.bfloat16, device=input_ids.device)
@@ -80,7 +83,8 @@ class TargetRunner:
             stop = not self.labels and layer == deepest
             handles.append(self.target.layers[layer].register_forward_hook(partial(self._store, dest, stop)))
         try:
-            out = self.target.base(input_ids=input_ids, use_cache=False)
+            with packed_kernels(self.target.model) if fb.cu_seqlens is not None else nullcontext():
+                out = self.target.base(input_ids=input_ids, use_cache=False, **fb.forward_kwargs())
         except _StopForward:
             out = None
         finally:
@@ -88,7 +92,7 @@ class TargetRunner:
                 handle.remove()
         if not self.labels:
             return TargetOutput(hidden, None, None, None)
-        return TargetOutput(hidden, *self._label(out.last_hidden_state, lengths))
+        return TargetOutput(hidden, *self._label(out.last_hidden_state, fb.real_tokens()))
 
     @staticmethod
     def _store(dest: torch.Tensor, stop: bool, module, args, output) -> None:
@@ -99,15 +103,14 @@ class TargetRunner:
             raise _StopForward
 
     def _label(
-        self, final: torch.Tensor, lengths: torch.Tensor
+        self, final: torch.Tensor, real_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Final-normed hidden [B, T, H] -> argmax ids (and top-k) at real positions, chunk by chunk,
-        so at most [lm_head_chunk, vocab] logits exist at once."""
+        """Final-normed hidden [B, T, H] -> argmax ids (and top-k) at the real tokens (flat indices,
+        on the CPU so the GPU never syncs for them), chunk by chunk, so at most [lm_head_chunk,
+        vocab] logits exist at once."""
         batch, seq, width = final.shape
         device = final.device
-        lengths = lengths.cpu()
-        # Flat indices of the real tokens, built on the CPU so the GPU never syncs for them.
-        flat = to_device(torch.cat([b * seq + torch.arange(int(n)) for b, n in enumerate(lengths)]), device)
+        flat = to_device(real_tokens, device)
         tokens = final.reshape(batch * seq, width)
         head = self.target.model.get_output_embeddings()
         k = self.topk

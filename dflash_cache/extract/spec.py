@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -20,7 +21,9 @@ def tokenizer_hash(target_path: Path) -> str:
     return sha.hexdigest()
 
 
-def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int) -> dict:
+def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int,
+              layout=None) -> dict:
+    """`layout`: the extraction's batch layout (extract/batch.py); None for a live target."""
     return {
         "target": {
             "name": target.path.name,
@@ -37,4 +40,6 @@ def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: s
         "data_hash": data_hash,
         "max_length": max_length,
         "topk": topk,
+        # Which samples share a forward, and in what shape, changes stored bytes at bf16 rounding.
+        "batching": None if layout is None else {"layout": type(layout).__name__, **dataclasses.asdict(layout)},
     }

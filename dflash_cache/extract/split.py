@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.extract.batch import ForwardBatch, Layout
 from dflash_cache.extract.runner import TargetOutput, TargetRunner
 
 
@@ -23,35 +25,39 @@ class SampleOutOfMemory(DFlashCacheError):
 
 @dataclass
 class Part:
-    """The outputs for a contiguous slice of the batch, trimmed to its own longest sample."""
+    """The outputs of one forward: a whole planned batch, or a piece of one cut after an OOM."""
 
-    sample_ids: list[int]
-    lengths: torch.Tensor  # [b]
-    output: TargetOutput  # tensors [b, t, ...], t = max(lengths)
+    batch: ForwardBatch
+    output: TargetOutput
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return self.batch.sample_ids
 
 
 def run_with_split(
-    runner: TargetRunner, input_ids: torch.Tensor, lengths: torch.Tensor, sample_ids: list[int]
+    runner: TargetRunner, layout: Layout, samples: list[Sample], device: torch.device | str, halvings: int = 0
 ) -> Iterator[Part]:
-    """Yield the batch's outputs in sample order: whole if it fits, else from halves, recursively.
+    """Yield the batch's outputs in sample order: whole if it fits, else from halves, recursively
+    (each half built by the layout in a shape that shrinks with the number of halvings).
 
     Yielding part by part lets the caller hand each one off before the next runs, so a split batch
     never holds more than one part's outputs at a time.
     """
+    batch = layout.build(samples, device, halvings)
     try:
-        output = runner.run(input_ids, lengths)
+        output = runner.run_batch(batch)
     except torch.cuda.OutOfMemoryError:
         output = None
     # Retry outside the except block: its traceback would keep the failed forward's tensors alive.
     if output is not None:
-        yield Part(sample_ids, lengths, output)
+        yield Part(batch, output)
         return
-    if len(sample_ids) == 1:
-        raise SampleOutOfMemory(sample_ids[0], int(lengths[0]))
+    del batch
+    if len(samples) == 1:
+        raise SampleOutOfMemory(samples[0].sample_id, len(samples[0].input_ids))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    half = len(sample_ids) // 2
-    for part in (slice(0, half), slice(half, None)):
-        sub_lengths = lengths[part]
-        longest = int(sub_lengths.max())
-        yield from run_with_split(runner, input_ids[part, :longest], sub_lengths, sample_ids[part])
+    half = len(samples) // 2
+    for part in (samples[:half], samples[half:]):
+        yield from run_with_split(runner, layout, part, device, halvings + 1)

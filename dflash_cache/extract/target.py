@@ -40,12 +40,14 @@ class Target:
         return self.model.model.layers
 
 
-def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16) -> Target:
+def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
+                attention: str = "sdpa") -> Target:
+    """`attention`: "sdpa", or extract/varlen.py's implementation for packed rows."""
     info = read_target_info(path)
     path = info.path
     # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        path, dtype=dtype, attn_implementation=attention, local_files_only=True
     ).to(device)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) != model.config.num_hidden_layers:

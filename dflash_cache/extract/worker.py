@@ -27,9 +27,11 @@ from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.runner import TargetRunner, padded_batch, to_device
+from dflash_cache.extract.batch import Layout, to_device
+from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
+from dflash_cache.extract.warmup import use_kernel_cache, warm_up
 from dflash_cache.store.codecs import compress, encode, encoded_size
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
@@ -44,6 +46,7 @@ class RankJob:
     device: str
     rank: int
     spec: dict
+    layout: Layout  # how a batch becomes a target forward (packed rows, or padded buckets)
     batches: list[list[int]]  # this rank's batches, whole (same composition in every run)
     samples: dict[int, Sample]  # the samples of those batches
     done: set[int]  # sample ids already committed or skipped: computed again but not written
@@ -54,6 +57,7 @@ class RankJob:
     staging_slots: int = 4  # host buffers of a whole batch's hidden states (pinned on a GPU)
     queue_depth: int = 4  # parts compressed and waiting for the writer
     write_target_files: bool = False
+    kernel_cache: Path | None = None  # compilers' disk caches (None: Triton's own), see warmup.py
     uploader: Uploader | None = None  # extraction to a remote cache: `root` is the staging folder
 
 
@@ -78,6 +82,7 @@ class RankSummary:
     skipped: list[dict] = field(default_factory=list)
     compute_s: float = 0.0
     wait_s: float = 0.0
+    compile_s: float = 0.0  # the warm-up forward: kernels compiled and autotuned, or loaded from disk
 
 
 @dataclass
@@ -140,11 +145,11 @@ class _HostCopy:
     part holds a share of the staging slot and gives it back through `release`."""
 
     planes: torch.Tensor  # uint8 staging slot: the new samples' encoded planes, one after another
-    health: torch.Tensor  # int32 [b, 2, L], see checks.layer_health
-    target_ids: torch.Tensor  # int32 [b, t]
+    health: torch.Tensor  # int32 [new samples, 2, L], see checks.layer_health
+    target_ids: torch.Tensor  # int32 [B * T], the forward's positions flattened
     scales: torch.Tensor | None  # fp32 [new samples' tokens, L] (fp8-zstd)
-    topk_ids: torch.Tensor | None  # int32 [b, t, K]
-    topk_logprobs: torch.Tensor | None  # fp32 [b, t, K]
+    topk_ids: torch.Tensor | None  # int32 [B * T, K]
+    topk_logprobs: torch.Tensor | None  # fp32 [B * T, K]
     ready: torch.cuda.Event | None
     release: Callable[[], None]
 
@@ -158,7 +163,8 @@ class _RowTask:
     """Where one sample's results lie in its part's host copy."""
 
     sample: Sample
-    index: int  # row in the part's batch
+    index: int  # among the part's new samples (its row of `health`)
+    tokens: slice  # its positions in the forward, flattened
     planes: slice  # bytes of the staging slot
     scales_start: int  # first row in `scales`
 
@@ -167,9 +173,9 @@ def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int],
     try:
         copy.wait()
         faults.point("extract.compress")
-        sample, b = task.sample, task.index
+        sample, tokens = task.sample, task.tokens
         n = len(sample.input_ids)
-        problem = describe_problem(copy.health[b].numpy(), layer_ids, n)
+        problem = describe_problem(copy.health[task.index].numpy(), layer_ids, n)
         if problem is not None:
             if on_bad_sample == "error":
                 raise DFlashCacheError(f"sample {sample.sample_id}: {problem}; "
@@ -180,11 +186,11 @@ def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int],
             sample_id=sample.sample_id,
             input_ids=sample.input_ids,
             loss_mask=sample.loss_mask,
-            target_ids=copy.target_ids[b, :n].numpy(),
+            target_ids=copy.target_ids[tokens].numpy(),
             hidden=compress(copy.planes[task.planes].numpy(), codec),
             hidden_scales=None if scales is None else scales.numpy().tobytes(),
-            topk_ids=None if copy.topk_ids is None else copy.topk_ids[b, :n].numpy(),
-            topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[b, :n].numpy(),
+            topk_ids=None if copy.topk_ids is None else copy.topk_ids[tokens].numpy(),
+            topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[tokens].numpy(),
         )
         row.record_batch  # noqa: B018 - build (and checksum) it here, in parallel, not on the writer thread
         return row
@@ -252,7 +258,8 @@ class _Writer(threading.Thread):
 
 def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, target: Target | None = None) -> RankSummary:
     """Extract this rank's batches; `target` may be given already loaded (benchmarks build one in place)."""
-    target = target or load_target(job.target_path, job.device)
+    kernels = use_kernel_cache(job.kernel_cache)
+    target = target or load_target(job.target_path, job.device, attention=job.layout.attention)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
     shards = ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes,
@@ -264,6 +271,7 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         shards.record_target_files(hash_target_files(job.root / "target"))
     codec = job.spec["codec"]
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
+    compile_s = warm_up(runner, job.layout, job.device, kernels)
     largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
     slot_bytes = encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids))
     on_gpu = torch.device(job.device).type == "cuda"
@@ -282,10 +290,9 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         for batch in job.batches:
             pending = list(batch)
             while pending and not all(sid in job.done for sid in pending):
-                input_ids, lengths = padded_batch([job.samples[sid] for sid in pending], job.device)
                 faults.point("extract.forward")
                 try:
-                    for part in run_with_split(runner, input_ids, lengths, pending):
+                    for part in run_with_split(runner, job.layout, [job.samples[sid] for sid in pending], job.device):
                         futures, waited = encoder.encode(part, check_writer)
                         if futures:
                             waited += writer.put(futures)
@@ -308,7 +315,13 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     summary = writer.summary
     summary.compute_s = time.perf_counter() - started
     summary.wait_s = wait_s
+    summary.compile_s = compile_s
     return summary
+
+
+def _flat(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[B, T, ...] -> [B * T, ...] in `dtype`."""
+    return None if t is None else t.reshape(-1, *t.shape[2:]).to(dtype)
 
 
 def _done(result) -> Future:
@@ -329,26 +342,29 @@ class _PartEncoder:
 
     def encode(self, part: Part, check: Callable[[], None]) -> tuple[list[Future], float]:
         """The part's futures, in sample order, and the seconds spent waiting for a staging slot."""
-        out = part.output
-        new = [b for b, sid in enumerate(part.sample_ids) if sid not in self.job.done]
+        out, fb = part.output, part.batch
+        new = [i for i, sid in enumerate(fb.sample_ids) if sid not in self.job.done]
         if not new:
             return [], 0.0
         num_layers = len(self.layer_ids)
-        health = layer_health(out.hidden, to_device(part.lengths, out.hidden.device), num_layers)
-        encoded = [encode(out.hidden[b, : int(part.lengths[b])], self.codec, num_layers) for b in new]
+        offsets, lengths = fb.token_offsets()[new], fb.lengths[new]
+        device = out.hidden.device
+        health = layer_health(out.hidden, to_device(offsets, device), to_device(lengths, device), num_layers)
+        flat = out.hidden.view(-1, out.hidden.shape[-1])
+        encoded = [encode(flat[o : o + n], self.codec, num_layers) for o, n in zip(offsets.tolist(), lengths.tolist())]
         slot, waited = self.ring.take(sum(e.planes.numel() for e in encoded), check)
         tasks, start, scales_start = [], 0, 0
-        for b, e in zip(new, encoded):
-            size = e.planes.numel()
-            tasks.append(_RowTask(self.job.samples[part.sample_ids[b]], b, slice(start, start + size), scales_start))
+        for index, (i, e) in enumerate(zip(new, encoded)):
+            size, o, n = e.planes.numel(), int(offsets[index]), int(lengths[index])
+            tasks.append(_RowTask(self.job.samples[fb.sample_ids[i]], index, slice(o, o + n), slice(start, start + size), scales_start))
             start += size
-            scales_start += int(part.lengths[b])
+            scales_start += n
         sources = [
             health,
-            out.target_ids.to(torch.int32),
+            _flat(out.target_ids, torch.int32),
             torch.cat([e.scales for e in encoded]) if encoded[0].scales is not None else None,
-            None if out.topk_ids is None else out.topk_ids.to(torch.int32),
-            out.topk_logprobs,
+            _flat(out.topk_ids, torch.int32),
+            _flat(out.topk_logprobs, torch.float32),
         ]
         hosts, ready = self._copy([e.planes for e in encoded], [slot[t.planes] for t in tasks], sources)
         copy = _HostCopy(slot, *hosts, ready=ready, release=_Countdown(len(tasks), lambda: self.ring.give(slot)))

@@ -1,0 +1,64 @@
+"""Padded extraction on a fixed set of shapes, for targets that cannot run packed rows exactly.
+
+Samples are grouped by the length buckets of data/plan.py, computed from `--max-length` (not from
+the data), and every batch of bucket k has the same shape (B_k, T_k): T_k the bucket's upper bound
+rounded up to a multiple of 8, B_k = token_budget // T_k samples (at least 1). The last batch of a
+bucket is filled up with empty rows. A batch split after an out-of-memory error runs its halves on
+ceil(B_k / 2), ceil(B_k / 4), ... rows. A run therefore sees at most one shape per bucket, about
+2 log2(max_length / 64) + 2 shapes (16 for 8192), whatever the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_cache.data.dataset import Sample
+from dflash_cache.data.plan import length_buckets
+from dflash_cache.extract.batch import ForwardBatch, padded_rows
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    token_budget: int
+    max_length: int
+    attention = "sdpa"
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(B_k, T_k) of every bucket, longest first."""
+        bounds = length_buckets(self.max_length)
+        return [self._shape(b) for b in bounds[:0:-1]]
+
+    def describe(self) -> str:
+        return f"padded batches of {len(self.shapes())} fixed shapes (token budget {self.token_budget})"
+
+    def warmup_samples(self) -> list[Sample]:
+        return []  # each shape is compiled when first met: warming all of them would cost more than it saves
+
+    def _shape(self, upper: int) -> tuple[int, int]:
+        seq = -(-(upper - 1) // 8) * 8
+        return max(1, self.token_budget // seq), seq
+
+    def _upper(self, length: int) -> int:
+        bounds = length_buckets(self.max_length)
+        return bounds[int(np.searchsorted(bounds, length, side="right"))]
+
+    def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
+        """Buckets from long to short, samples by (length, id) inside one."""
+        if lengths and max(lengths) > self.max_length:
+            raise ValueError(f"a sample of {max(lengths)} tokens is over the max length {self.max_length}")
+        buckets: dict[int, list[tuple[int, int]]] = {}
+        for sid, n in zip(sample_ids, lengths):
+            buckets.setdefault(self._upper(n), []).append((n, sid))
+        batches = []
+        for upper in sorted(buckets, reverse=True):
+            size = self._shape(upper)[0]
+            members = [sid for _, sid in sorted(buckets[upper])]
+            batches += [members[i : i + size] for i in range(0, len(members), size)]
+        return batches
+
+    def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:
+        size, seq = self._shape(self._upper(max(len(s.input_ids) for s in samples)))
+        return padded_rows(samples, (-(-size // 2**halvings), seq), device)  # a half of n samples has at most ceil(n / 2)

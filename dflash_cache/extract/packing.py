@@ -1,0 +1,91 @@
+"""Packed extraction: samples concatenated into rows of exactly `row_tokens` tokens, so the target
+runs on one input shape for the whole run, whatever the data (kernels are compiled and autotuned
+once, not once per batch shape), and computes no padding except at the end of a row.
+
+Each sample sees only itself: the row carries the sample boundaries (`cu_seqlens`) and positions
+restarting at 0, which every layer honours (extract/varlen.py).
+
+The plan fills rows greedily: a row starts with the longest sample left, then takes the longest
+sample that still fits until none does. Rows come out from long samples to short (an
+out-of-memory row shows first; the last rows hold short samples that compress in parallel), nearly
+full until the last, and the plan is a pure function of (ids, lengths, row_tokens).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.batch import ForwardBatch, to_device
+from dflash_cache.extract.varlen import ATTENTION
+
+ROUND = 64  # a row cut by an out-of-memory split keeps a length in multiples of this
+WARMUP_SEQUENCE = 2048  # the warm-up row is cut into sequences of this length, like real data
+
+
+def plan_rows(sample_ids: list[int], lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Rows of sample ids; every sample must fit a row (lengths[i] <= row_tokens)."""
+    by_length: dict[int, list[int]] = {}
+    for sid, n in sorted(zip(sample_ids, lengths), key=lambda p: (p[1], -p[0])):
+        by_length.setdefault(n, []).append(sid)  # popped from the end: the smallest id first
+    if by_length and max(by_length) > row_tokens:
+        raise ValueError(f"a sample of {max(by_length)} tokens does not fit a row of {row_tokens}")
+    sizes = sorted(by_length)  # distinct lengths still available
+    rows = []
+    while sizes:
+        row, room = [], row_tokens
+        while (i := bisect.bisect_right(sizes, room) - 1) >= 0:
+            n = sizes[i]
+            row.append(by_length[n].pop())
+            room -= n
+            if not by_length[n]:
+                del sizes[i]
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    row_tokens: int
+    attention = ATTENTION  # the target's attention implementation for these rows
+
+    def describe(self) -> str:
+        return f"packed rows of {self.row_tokens} tokens (one input shape)"
+
+    def warmup_samples(self) -> list[Sample]:
+        """Dummy samples filling one row: its one shape compiled before the first real row."""
+        full, rest = divmod(self.row_tokens, WARMUP_SEQUENCE)
+        sizes = [WARMUP_SEQUENCE] * full + ([rest] if rest else [])
+        return [Sample(-1 - i, np.zeros(n, dtype=np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(sizes)]
+
+    def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
+        return plan_rows(sample_ids, lengths, self.row_tokens)
+
+    def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:
+        lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+        used = int(lengths.sum())
+        width = max(self.row_tokens >> halvings, -(-used // ROUND) * ROUND) if halvings else self.row_tokens
+        if used > width:
+            raise ValueError(f"{used} tokens do not fit a row of {width}")
+        ids = torch.zeros(1, width, dtype=torch.long)
+        ids[0, :used] = torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64))
+        bounds = lengths.tolist() + ([width - used] if used < width else [])  # the padding tail is a sequence of its own
+        cu = torch.zeros(len(bounds) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(bounds, dtype=torch.int32).cumsum(0)
+        starts = cu[: len(samples)].long()
+        positions = torch.cat([torch.arange(n) for n in bounds]).unsqueeze(0)
+        return ForwardBatch(
+            sample_ids=[s.sample_id for s in samples],
+            input_ids=to_device(ids, device),
+            lengths=lengths,
+            rows=torch.zeros(len(samples), dtype=torch.long),
+            starts=starts,
+            position_ids=to_device(positions, device),
+            cu_seqlens=to_device(cu, device),
+            cu_seqlens_cpu=cu,
+            max_seqlen=max(bounds),
+        )

@@ -1,0 +1,158 @@
+"""Run a Hugging Face target on packed rows: several samples concatenated in one sequence, each
+seeing only itself.
+
+Every layer must respect the boundaries given as cumulative sequence lengths (`cu_seqlens`):
+- full attention goes through `varlen_attention`, registered as the attention implementation
+  `packed_rows` (flash attention's variable-length kernel on CUDA, one causal SDPA per sample
+  elsewhere). Called without sequence lengths it is plain causal SDPA, so a target loaded with it
+  runs padded batches exactly as with `sdpa`;
+- rotary embeddings restart at each sample through `position_ids`;
+- the linear-attention layers of hybrid `qwen3_5` targets (their short causal convolution and the
+  gated delta rule) take the sequence lengths through flash-linear-attention's kernels, or run one
+  sample at a time through the reference torch code when it is not installed or on the CPU.
+
+`packed_support` says whether a target can run packed; `packed_kernels` is the scope in which the
+linear-attention functions of `qwen3_5` respect the boundaries.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION = "packed_rows"  # no "flash" in the name: transformers takes such names for flash-attention kernels
+# Dense decoders whose attention goes through the attention interface with rotary positions from
+# `position_ids`, and the hybrid qwen3_5 whose linear-attention functions are swapped below.
+DENSE_PACKABLE = ("qwen3", "qwen2", "llama")
+HYBRID_PACKABLE = ("qwen3_5", "qwen3_5_text")
+_QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     cu_seq_lens_q=None, max_length_q=None, cu_seq_lens_cpu=None, **kwargs):
+    """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None), causal per sample."""
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("packed attention takes one row and no attention mask")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if query.is_cuda:
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
+    else:
+        bounds = cu_seq_lens_cpu.tolist()
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = torch.cat([
+            F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                           is_causal=True, scale=scaling).transpose(0, 1)
+            for s, e in zip(bounds, bounds[1:])
+        ])
+    return out.unsqueeze(0), None
+
+
+def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # torch 2.11+ / 2.10
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, **extra)
+
+
+@lru_cache(maxsize=1)
+def _varlen_params() -> tuple[str, ...]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return tuple(inspect.signature(varlen_attn).parameters)
+
+
+AttentionInterface.register(ATTENTION, varlen_attention)
+
+
+def packed_support(config) -> str | None:
+    """None when the target (its text config) can run packed rows exactly, else the reason it cannot."""
+    kind = getattr(config, "model_type", "?")
+    if kind not in DENSE_PACKABLE + HYBRID_PACKABLE:
+        return f"model type '{kind}' has no packed path here"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "sliding-window attention is not packed here"
+    if kind in DENSE_PACKABLE and torch.cuda.is_available() and not _has_varlen_attn():
+        return "this torch has no torch.nn.attention.varlen"
+    return None
+
+
+def _has_varlen_attn() -> bool:
+    try:
+        importlib.import_module("torch.nn.attention.varlen")
+        return True
+    except ImportError:
+        return False
+
+
+@lru_cache(maxsize=1)
+def _fla():
+    """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule), or None when not installed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - not installed, or no usable Triton on this machine
+        return None
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+def _spans(cu_seqlens_cpu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens_cpu.tolist()
+    return list(zip(bounds, bounds[1:]))
+
+
+@contextmanager
+def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """While active, the linear-attention layers of a qwen3_5 `model` respect packed boundaries
+    (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
+    module = importlib.import_module(_QWEN3_5) if any(type(m).__name__ == "Qwen3_5GatedDeltaNet" for m in model.modules()) else None
+    if module is None:
+        yield
+        return
+    conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
+
+    def packed_conv(x, weight, bias=None, activation=None, cu_seq_lens_q=None, cu_seq_lens_cpu=None, **kwargs):
+        # x: [1, D, T] (a transposed view of [1, T, D]); returns [1, D, T]
+        if cu_seq_lens_q is None:
+            return conv(x, weight, bias, activation=activation)
+        fla = _fla()
+        if fla is not None and x.is_cuda:
+            y, _ = fla[0](x.transpose(1, 2), weight, bias, activation=activation,
+                          cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
+            return y.transpose(1, 2)
+        return torch.cat([conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1)
+
+    def packed_rule(query, key, value, g, beta, cu_seqlens=None, cu_seq_lens_cpu=None, **kwargs):
+        # [1, T, H, D] inputs; cu_seqlens is the model's `cu_seq_lens_q`
+        if cu_seqlens is None:
+            return rule(query, key, value, g=g, beta=beta, **kwargs)
+        fla = _fla()
+        if fla is not None and query.is_cuda:
+            return fla[1](query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seq_lens_cpu,
+                          **{k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs})
+        outs = [rule(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kwargs)[0]
+                for s, e in _spans(cu_seq_lens_cpu)]
+        return torch.cat(outs, dim=1), None
+
+    module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = packed_conv, packed_rule
+    try:
+        yield
+    finally:
+        module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = conv, rule
