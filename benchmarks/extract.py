@@ -6,8 +6,9 @@
 A random-weight target is built on the GPU from a config (no weights on disk): Qwen3-8B shape
 (36 layers, hidden 4096) or a Qwen3.6-27B-shaped hybrid qwen3_5 text model cut to fewer layers.
 Samples have random token ids and log-uniform lengths from 256 to 4096. Both runs use the batches
-the extraction plan makes at --batch-tokens:
+the extraction plan makes at --batch-tokens, packed rows (default) or padded buckets (--batching padded):
   bare:    model(input_ids) with logits, nothing kept (what the target costs by itself)
+  plain:   with --plain, also HF's own padded forward (sdpa) on the pre-packing plan's first batches
   extract: the real per-rank extraction loop (hooks on 5 layers, chunked LM-head argmax, encode on
            the GPU, pinned copies, compression threads, shard writer with fsync) into --out
 """
@@ -27,7 +28,10 @@ import torch
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
+from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner, padded_batch
+from dflash_cache.extract.varlen import packed_kernels
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
@@ -59,6 +63,40 @@ def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: s
     return {codec: size / int(lengths.sum()) for codec, size in sizes.items()}
 
 
+def matmul_tflops(device: str) -> float:
+    """bf16 8192^3 matmul rate on random data, the MFU ceiling measured in this run."""
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
+
+
+def plain_forward(model, samples: list[Sample], args, sync) -> dict:
+    """HF's own forward as it was called before packing: sdpa, right-padded batches of the old plan
+    (its first `args.plain` batches, each shape warmed up first)."""
+    by_id = {s.sample_id: s for s in samples}
+    batches = plan_batches([s.sample_id for s in samples], [len(s.input_ids) for s in samples], args.batch_tokens, seed=None)[: args.plain]
+    model.set_attn_implementation("sdpa")
+    inputs = [padded_batch([by_id[i] for i in b], args.device)[0] for b in batches]
+    with torch.inference_mode():
+        for ids in inputs:
+            model(input_ids=ids, use_cache=False)
+        sync()
+        start = time.perf_counter()
+        for ids in inputs:
+            model(input_ids=ids, use_cache=False)
+        sync()
+    seconds = time.perf_counter() - start
+    real = sum(len(by_id[i].input_ids) for b in batches for i in b)
+    padded = sum(ids.numel() for ids in inputs)
+    return {"batches": len(batches), "tok_s": real / seconds, "padding": padded / real}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b")
@@ -69,6 +107,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="cache directory (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batching", choices=["packed", "padded"], default="packed")
+    parser.add_argument("--plain", type=int, default=0, help="also time HF's padded forward on this many batches of the pre-packing plan")
     parser.add_argument("--compress-threads", type=int, default=12)
     parser.add_argument("--profile", type=Path, default=None,
                         help="after the timed runs, profile an extraction of 6 batches: a Chrome trace and a table in this folder")
@@ -77,26 +117,29 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     config = target_config(args.shape, args.layers_cut)
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    target = build_target(config, device, work / "target")
+    layout = PackedLayout(args.batch_tokens) if args.batching == "packed" else BucketLayout(args.batch_tokens, 8192)
+    target = build_target(config, device, work / "target", attention=layout.attention)
     model = target.model
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()  # a lookup: no FLOPs
     layer_ids = resolve_layer_ids(config.num_hidden_layers, None, 5)
     samples = make_samples(args.tokens, config.vocab_size)
     by_id = {s.sample_id: s for s in samples}
-    batches = plan_batches([s.sample_id for s in samples], [len(s.input_ids) for s in samples], args.batch_tokens, seed=None)
+    batches = layout.plan([s.sample_id for s in samples], [len(s.input_ids) for s in samples])
     tokens = sum(len(s.input_ids) for s in samples)
-    padded = sum(len(b) * max(len(by_id[i].input_ids) for i in b) for b in batches)
-    print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), random weights, bf16, sdpa")
-    print(f"data: {len(samples)} samples, {tokens} tokens ({padded / tokens:.3f}x with padding), {len(batches)} batches of <= {args.batch_tokens} tokens; layers {layer_ids}; codec {args.codec}")
+    inputs = [layout.build([by_id[i] for i in b], device) for b in batches]
+    positions = sum(fb.shape[0] * fb.shape[1] for fb in inputs)
+    print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, {params / 1e9:.2f}B parameters), random weights, bf16")
+    print(f"data: {len(samples)} samples, {tokens} tokens ({positions / tokens:.3f}x positions per token), {len(batches)} batches: "
+          f"{layout.describe()}; layers {layer_ids}; codec {args.codec}")
 
     def bare() -> tuple[float, float]:
         """Seconds for all batches, and seconds until the last one was queued (a queue that runs
         ahead of the GPU returns early; a forward that syncs inside does not)."""
         sync()
         start = time.perf_counter()
-        with torch.inference_mode():
-            for batch in batches:
-                input_ids, _ = padded_batch([by_id[i] for i in batch], device)
-                model(input_ids=input_ids, use_cache=False)
+        with torch.inference_mode(), packed_kernels(model):
+            for fb in inputs:
+                model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
         queued = time.perf_counter() - start
         sync()
         return time.perf_counter() - start, queued
@@ -108,7 +151,7 @@ def main() -> None:
                            "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
                 "layer_ids": layer_ids, "codec": args.codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
                 "max_length": 8192, "topk": 0}
-        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, batches=run_batches, samples=by_id,
+        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, layout=layout, batches=run_batches, samples=by_id,
                       done=set(), first_shard_index=0, compress_threads=args.compress_threads)
         handed_off = []  # parts the main loop handed to the host side
         gpu_done = [0.0]  # when the device had finished everything, copies to the host included
@@ -126,6 +169,12 @@ def main() -> None:
         wall = time.perf_counter() - start
         return wall, {"bytes": summary.bytes, "wait_s": summary.wait_s, "host_tail_s": start + wall - gpu_done[0]}
 
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode(), packed_kernels(model):
+        model(input_ids=inputs[0].input_ids, use_cache=False, **inputs[0].forward_kwargs())
+    sync()
+    first_forward_s = time.perf_counter() - start  # cold when the kernel caches are empty
     bare()  # warm-up: kernels (and autotuning) for every batch shape, allocator
     extract(batches[:4])  # warm-up: the LM-head chunks, pinned staging memory (kept by torch's host cache)
     t_bare, q_bare = bare()
@@ -133,18 +182,27 @@ def main() -> None:
     per_codec = codec_bytes_per_token(TargetRunner(target, layer_ids), [by_id[i] for i in batches[len(batches) // 2]], device)
     if args.profile:
         profile_extraction(args.profile, lambda: extract(batches[:6]))
+    plain = plain_forward(model, samples, args, sync) if args.plain else None
+    peak = matmul_tflops(device) if device.startswith("cuda") else float("nan")
     result = {
+        "batching": layout.describe(), "params": params, "first_forward_s": first_forward_s, "matmul_tflops": peak,
+        "bare_mfu": tokens / t_bare * 2 * params / 1e12 / peak, "extract_mfu": tokens / t_extract * 2 * params / 1e12 / peak,
+        "plain_padded": plain,
         "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
         "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
         "ratio": t_bare / t_extract, "bare_queued_fraction": q_bare / t_bare, "compress_threads": args.compress_threads, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
         "host_tail_s": info["host_tail_s"], "ratio_without_tail": t_bare / (t_extract - info["host_tail_s"]), "codec_bytes_per_token": per_codec,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
     }
-    print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s")
+    print(f"first forward: {first_forward_s:.1f} s; matmul {peak:.0f} TFLOP/s")
+    if plain:
+        print(f"HF padded forward (sdpa, pre-packing plan, {plain['batches']} batches, warm): {plain['tok_s']:,.0f} tokens/s, "
+              f"MFU {plain['tok_s'] * 2 * params / 1e12 / peak:.3f}")
+    print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s  MFU {result['bare_mfu']:.3f}")
     print(f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
           f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk, "
           f"{info['host_tail_s']:.1f} s from the GPU's last copy to the last shard committed; "
-          f"ratio without that tail {result['ratio_without_tail']:.3f})")
+          f"ratio without that tail {result['ratio_without_tail']:.3f}) MFU {result['extract_mfu']:.3f}")
     print("bytes/token by codec (one batch): " + ", ".join(f"{c} {v:,.0f}" for c, v in per_codec.items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -55,12 +55,12 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, mask_token="<|mask|>")
 
 
-def build_target(config, device: str, folder: Path) -> Target:
+def build_target(config, device: str, folder: Path, attention: str = "sdpa") -> Target:
     """The model of `config` with random bf16 weights, initialised on `device`; `folder` gets its
     config.json and a tokenizer, as a model directory would hold them (but no weights)."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     model.eval().requires_grad_(False)
     config.save_pretrained(folder)
     tokenizer = word_tokenizer(config.vocab_size)

@@ -13,7 +13,9 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.runner import TargetRunner, padded_batch
+from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.packing import PackedLayout
+from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
@@ -29,16 +31,17 @@ def _samples(vocab: int, count: int = 40) -> dict[int, Sample]:
     return {i: Sample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(lengths)}
 
 
+@pytest.mark.parametrize("layout", [PackedLayout(900), BucketLayout(900, 300)], ids=["packed", "padded"])
 @pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd"])
-def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec):
-    target = load_target(target_dir, DEVICE)
+def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec, layout):
+    target = load_target(target_dir, DEVICE, attention=layout.attention)
     samples = _samples(target.vocab_size)
-    batches = [list(range(i, min(i + 3, len(samples)))) for i in range(0, len(samples), 3)]
+    batches = layout.plan(list(samples), [len(s.input_ids) for s in samples.values()])
     spec = {"target": {"config_hash": target.config_hash, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                        "vocab_size": target.vocab_size, "model_type": target.config.model_type, "name": "tiny"},
             "layer_ids": LAYERS, "codec": codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
             "max_length": 8192, "topk": 2}
-    job = RankJob(root=tmp_path / "cache", target_path=target_dir, device=DEVICE, rank=0, spec=spec, batches=batches,
+    job = RankJob(root=tmp_path / "cache", target_path=target_dir, device=DEVICE, rank=0, spec=spec, layout=layout, batches=batches,
                   samples=samples, done=set(), first_shard_index=0, compress_threads=3, staging_slots=2, queue_depth=2)
     run_rank(job, target=target)
     write_manifest(job.root, build_manifest(read_journals(job.root)))
@@ -47,11 +50,11 @@ def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec)
     runner = TargetRunner(target, LAYERS, topk=2)
     reference = {}
     for batch in batches:
-        input_ids, lengths = padded_batch([samples[i] for i in batch], DEVICE)
-        out = runner.run(input_ids, lengths)
-        for b, sid in enumerate(batch):
-            n = int(lengths[b])
-            reference[sid] = (out.hidden[b, :n].cpu(), out.target_ids[b, :n].cpu(), out.topk_ids[b, :n].cpu())
+        fb = layout.build([samples[i] for i in batch], DEVICE)
+        out = runner.run_batch(fb)
+        for sid, row, start, n in zip(batch, fb.rows.tolist(), fb.starts.tolist(), fb.lengths.tolist()):
+            at = slice(start, start + n)
+            reference[sid] = (out.hidden[row, at].cpu(), out.target_ids[row, at].cpu(), out.topk_ids[row, at].cpu())
     assert sorted(cache) == sorted(samples)
     for sid, (hidden, target_ids, topk_ids) in reference.items():
         stored = cache[sid]

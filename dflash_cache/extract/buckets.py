@@ -10,9 +10,10 @@ ceil(B_k / 2), ceil(B_k / 4), ... rows. A run therefore sees at most one shape p
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from functools import cached_property
 
-import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
@@ -26,10 +27,13 @@ class BucketLayout:
     max_length: int
     attention = "sdpa"
 
+    @cached_property
+    def _bounds(self) -> list[int]:
+        return length_buckets(self.max_length)
+
     def shapes(self) -> list[tuple[int, int]]:
         """(B_k, T_k) of every bucket, longest first."""
-        bounds = length_buckets(self.max_length)
-        return [self._shape(b) for b in bounds[:0:-1]]
+        return [self._bucket_shape(b) for b in self._bounds[:0:-1]]
 
     def describe(self) -> str:
         return f"padded batches of {len(self.shapes())} fixed shapes (token budget {self.token_budget})"
@@ -37,13 +41,12 @@ class BucketLayout:
     def warmup_samples(self) -> list[Sample]:
         return []  # each shape is compiled when first met: warming all of them would cost more than it saves
 
-    def _shape(self, upper: int) -> tuple[int, int]:
+    def _bucket_shape(self, upper: int) -> tuple[int, int]:
         seq = -(-(upper - 1) // 8) * 8
         return max(1, self.token_budget // seq), seq
 
     def _upper(self, length: int) -> int:
-        bounds = length_buckets(self.max_length)
-        return bounds[int(np.searchsorted(bounds, length, side="right"))]
+        return self._bounds[bisect.bisect_right(self._bounds, length)]
 
     def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
         """Buckets from long to short, samples by (length, id) inside one."""
@@ -54,11 +57,15 @@ class BucketLayout:
             buckets.setdefault(self._upper(n), []).append((n, sid))
         batches = []
         for upper in sorted(buckets, reverse=True):
-            size = self._shape(upper)[0]
+            size = self._bucket_shape(upper)[0]
             members = [sid for _, sid in sorted(buckets[upper])]
             batches += [members[i : i + size] for i in range(0, len(members), size)]
         return batches
 
+    def shape(self, lengths: list[int], halvings: int = 0) -> tuple[int, int]:
+        """The input shape of a batch of samples of these lengths."""
+        size, seq = self._bucket_shape(self._upper(max(lengths)))
+        return -(-size // 2**halvings), seq  # a half of n samples has at most ceil(n / 2)
+
     def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:
-        size, seq = self._shape(self._upper(max(len(s.input_ids) for s in samples)))
-        return padded_rows(samples, (-(-size // 2**halvings), seq), device)  # a half of n samples has at most ceil(n / 2)
+        return padded_rows(samples, self.shape([len(s.input_ids) for s in samples], halvings), device)

@@ -65,12 +65,19 @@ class PackedLayout:
     def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
         return plan_rows(sample_ids, lengths, self.row_tokens)
 
-    def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:
-        lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
-        used = int(lengths.sum())
+    def shape(self, lengths: list[int], halvings: int = 0) -> tuple[int, int]:
+        """The input shape of a batch of samples of these lengths: one row of `row_tokens`, or of
+        a halved width (at least their tokens, rounded up) after out-of-memory splits."""
+        used = sum(lengths)
         width = max(self.row_tokens >> halvings, -(-used // ROUND) * ROUND) if halvings else self.row_tokens
         if used > width:
             raise ValueError(f"{used} tokens do not fit a row of {width}")
+        return 1, width
+
+    def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:
+        lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+        used = int(lengths.sum())
+        width = self.shape(lengths.tolist(), halvings)[1]
         ids = torch.zeros(1, width, dtype=torch.long)
         ids[0, :used] = torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64))
         bounds = lengths.tolist() + ([width - used] if used < width else [])  # the padding tail is a sequence of its own

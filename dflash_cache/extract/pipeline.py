@@ -29,6 +29,7 @@ from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.varlen import packed_support
+from dflash_cache.extract.warmup import start_background_warmup
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
 from dflash_cache.extract.spec import make_spec
@@ -169,7 +170,12 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         raise DFlashCacheError(f"{'--staging' if remote else '--out'} {root} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     locks = [CacheLock(root, "main" if dist is None else f"r{rank_ids[0]}").acquire()]
+    warmup = None
     try:
+        if opts.batching != "padded" and packed_support(info.config.get_text_config()) is None and (dist is None or dist[2] == 0):
+            # Rows are max(token budget, longest sample) long: the budget, unless a sample is longer.
+            warmup = start_background_warmup(Path(opts.target), PackedLayout(opts.token_budget), devices[0],
+                                             opts.kernel_cache, info.config.get_text_config())
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
         data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers)
         if not data.samples:
@@ -213,6 +219,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         summaries = _run_jobs(jobs, on_progress)
         manifest = _finalise(store, all_ids, data.num_truncated)
     finally:
+        if warmup is not None and warmup.is_alive():
+            warmup.kill()
         for lock in locks:
             lock.release()
     return ExtractSummary(

@@ -118,6 +118,11 @@ def _spans(cu_seqlens_cpu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def _rule_options(kwargs: dict) -> dict:
+    """The gated delta rule's own options among the model's keyword arguments."""
+    return {k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs}
+
+
 @contextmanager
 def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
     """While active, the linear-attention layers of a qwen3_5 `model` respect packed boundaries
@@ -127,6 +132,9 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
+    # The reference torch code under transformers' kernel dispatch, for one sample at a time (the
+    # dispatch would send CPU tensors to flash-linear-attention where it is installed).
+    torch_conv, torch_rule = getattr(conv, "__wrapped__", conv), getattr(rule, "__wrapped__", rule)
 
     def packed_conv(x, weight, bias=None, activation=None, cu_seq_lens_q=None, cu_seq_lens_cpu=None, **kwargs):
         # x: [1, D, T] (a transposed view of [1, T, D]); returns [1, D, T]
@@ -137,7 +145,7 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
             y, _ = fla[0](x.transpose(1, 2), weight, bias, activation=activation,
                           cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
             return y.transpose(1, 2)
-        return torch.cat([conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1)
+        return torch.cat([torch_conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1)
 
     def packed_rule(query, key, value, g, beta, cu_seqlens=None, cu_seq_lens_cpu=None, **kwargs):
         # [1, T, H, D] inputs; cu_seqlens is the model's `cu_seq_lens_q`
@@ -145,9 +153,8 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
             return rule(query, key, value, g=g, beta=beta, **kwargs)
         fla = _fla()
         if fla is not None and query.is_cuda:
-            return fla[1](query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seq_lens_cpu,
-                          **{k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs})
-        outs = [rule(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kwargs)[0]
+            return fla[1](query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seq_lens_cpu, **_rule_options(kwargs))
+        outs = [torch_rule(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **_rule_options(kwargs))[0]
                 for s, e in _spans(cu_seq_lens_cpu)]
         return torch.cat(outs, dim=1), None
 

@@ -7,11 +7,18 @@ the other ranks on the node then load kernels instead of compiling and autotunin
 
 The ranks of a node warm up one at a time under a file lock in that folder: the first compiles,
 the others find its kernels on disk, so five ranks never compile the same kernel at once.
+
+Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
+take about a minute to compile and autotune from an empty cache, `start_background_warmup` runs the
+warm-up in a process of its own on a two-layer model of the target's shape (one layer of each
+kind, random weights) while the main process tokenizes and loads the real target; the main
+process's own warm-up then finds the kernels on disk.
 """
 
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import time
 from contextlib import contextmanager
@@ -22,6 +29,7 @@ import torch
 
 from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.target import Target
 
 
 def use_kernel_cache(folder: Path | None) -> Path:
@@ -56,3 +64,32 @@ def warm_up(runner: TargetRunner, layout: Layout, device: torch.device | str, fo
         runner.run_batch(layout.build(samples, device))
         torch.cuda.synchronize(device)
         return time.perf_counter() - started
+
+
+def start_background_warmup(target_path: Path, layout: Layout, device: str, kernel_cache: Path | None,
+                            config) -> multiprocessing.process.BaseProcess | None:
+    """A daemon process compiling the kernels of `layout` for a hybrid target of `config` (its text
+    config) on `device`; None where there is nothing worth compiling ahead (dense targets use
+    precompiled attention kernels; the CPU compiles nothing)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if "linear_attention" not in layer_types or not layout.warmup_samples() or torch.device(device).type != "cuda":
+        return None
+    process = multiprocessing.get_context("spawn").Process(
+        target=_warm_up_small_model, args=(target_path, layout, device, kernel_cache), name="kernel-warmup", daemon=True)
+    process.start()
+    return process
+
+
+def _warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_cache: Path | None) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = use_kernel_cache(kernel_cache)
+    config = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config()
+    kinds = list(dict.fromkeys(config.layer_types))  # one layer of each kind, in the target's order
+    config.layer_types, config.num_hidden_layers = kinds, len(kinds)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=layout.attention)
+    model.eval().requires_grad_(False)
+    small = Target(path=Path(target_path), model=model, tokenizer=None, config=config, num_layers=len(kinds),
+                   hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash="")
+    warm_up(TargetRunner(small, [0]), layout, device, folder)

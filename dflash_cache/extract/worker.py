@@ -13,6 +13,7 @@ memory; that time is reported as time waiting on the disk.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
+
+
+GIL_SWITCH_S = 0.0002
 
 
 @dataclass
@@ -281,6 +285,10 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     writer.start()
     started = time.perf_counter()
     wait_s = 0.0
+    # The thread that launches the GPU's kernels must get the GIL back at once from the compression
+    # threads, not after Python's default 5 ms switch interval.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)
 
     def check_writer() -> None:
         if writer.error is not None:
@@ -311,6 +319,7 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         writer.writer.abort()
         raise
     finally:
+        sys.setswitchinterval(switch_interval)
         encoder.pool.shutdown(wait=False, cancel_futures=True)
     summary = writer.summary
     summary.compute_s = time.perf_counter() - started
