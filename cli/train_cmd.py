@@ -1,6 +1,7 @@
 import click
 from dflash_cache_cli.options import INT_LIST
 
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.train import train
 
@@ -75,9 +76,12 @@ from dflash_cache.train.train import train
                    "each sample by byte ranges).")
 @click.option("--local-cache-size", type=float,
               help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
+@click.option("--max-open-shards", type=int, default=DEFAULT_MAX_OPEN_SHARDS, show_default=True,
+              help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
+                   "and one memory map each, whatever the number of shards.")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
             grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, log_every, resume,
-            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size):
+            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
     With --live-target instead of --cache, the target runs beside the drafter and computes each batch
@@ -98,6 +102,7 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
         skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,
         local_cache_bytes=None if local_cache_size is None else int(local_cache_size * (1 << 30)),
+        max_open_shards=max_open_shards,
     )
     train(config, echo=click.echo)
     click.echo(f"done: {out}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 
 
 @dataclass
@@ -48,12 +49,13 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a rank stuck this long in a collective is an error
     local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
     local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
+    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS  # shard files open at once on each rank (store.pool)
 
     def check(self) -> None:
         self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
                     "eval_every": self.eval_every, "log_every": self.log_every,
-                    "prefetch": self.prefetch, "workers": self.workers}
+                    "prefetch": self.prefetch, "workers": self.workers, "max_open_shards": self.max_open_shards}
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
