@@ -49,11 +49,12 @@ def _register() -> None:
         export_cmd,
         extract_cmd,
         inspect_cmd,
+        regenerate_cmd,
         train_cmd,
         verify_cmd,
     )
 
-    for module in (extract_cmd, train_cmd, inspect_cmd, verify_cmd, export_cmd, eval_cmd, demo_cmd):
+    for module in (regenerate_cmd, extract_cmd, train_cmd, inspect_cmd, verify_cmd, export_cmd, eval_cmd, demo_cmd):
         main.add_command(module.command)
 
 
