@@ -1,16 +1,14 @@
 from pathlib import Path
 
 import click
-from transformers.utils.logging import disable_progress_bar
 
-from dflash_cache.demo import ASSETS, DemoOptions, run_demo
-from dflash_cache.store.codecs import CODECS
+from dflash_cache.choices import CODECS, DEMO_ASSETS
 
 
 @click.command("demo")
 @click.option("--workdir", type=click.Path(path_type=Path),
               help="Folder for the cache, the training run and the data subset. Default: a new temporary folder.")
-@click.option("--assets", type=click.Path(path_type=Path), default=ASSETS, show_default=True,
+@click.option("--assets", type=click.Path(path_type=Path), default=DEMO_ASSETS, show_default=True,
               help="The demo assets: target/ (model and tokenizer), data/train.jsonl, data/heldout.jsonl.")
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="The cache's codec.")
 def command(workdir, assets, codec):
@@ -19,6 +17,10 @@ def command(workdir, assets, codec):
     Speculative decoding of the trained drafter on held-out prompts is checked against the target's
     own greedy output, and its mean acceptance length (tau) is reported.
     """
+    from transformers.utils.logging import disable_progress_bar
+
+    from dflash_cache.demo import DemoOptions, run_demo
+
     disable_progress_bar()  # the weights load three times; their progress bars would bury the story
     result = run_demo(DemoOptions(workdir=workdir, assets=assets, codec=codec), echo=click.echo)
     report = result.report

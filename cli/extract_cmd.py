@@ -3,8 +3,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dflash_cache.extract.pipeline import ExtractOptions, extract
-from dflash_cache.store.codecs import CODECS
+from dflash_cache.choices import CODECS
 from dflash_cache_cli.options import INT_LIST
 
 
@@ -29,6 +28,8 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
     """
+    from dflash_cache.extract.pipeline import ExtractOptions, extract
+
     if layers is None and num_draft_layers is None:
         num_draft_layers = 5
     if shard_size <= 0:

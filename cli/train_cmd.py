@@ -3,7 +3,6 @@ from dflash_cache_cli.options import INT_LIST
 
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.train import train
 
 
 @click.command("train")
@@ -104,5 +103,7 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
         local_cache_bytes=None if local_cache_size is None else int(local_cache_size * (1 << 30)),
         max_open_shards=max_open_shards,
     )
+    from dflash_cache.train.train import train
+
     train(config, echo=click.echo)
     click.echo(f"done: {out}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cache.choices import DEMO_ASSETS
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.speculative import (
@@ -35,7 +36,7 @@ from dflash_cache.train.metrics import METRICS_FILE
 from dflash_cache.train.model import tokenizer_mask_token
 from dflash_cache.train.train import train
 
-ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
+ASSETS = DEMO_ASSETS
 ASSET_FILES = ("target/config.json", "data/train.jsonl", "data/heldout.jsonl")
 
 

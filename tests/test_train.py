@@ -162,3 +162,25 @@ def test_under_torchrun_the_process_is_one_rank(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(train_module, "launch", None)  # nothing may be spawned
     train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
     assert len(losses(tmp_path / "run")) == 2
+
+
+def test_each_epoch_is_planned_once_before_the_first_step(tmp_path, cache, monkeypatch):
+    from dflash_cache.stream.epochs import EpochPlan
+
+    planned, first_step = [], []
+    real_batches, real_step = EpochPlan._batches, train_module.train_step
+
+    def batches(self, epoch):
+        if not first_step:
+            planned.append(epoch)
+        return real_batches(self, epoch)
+
+    def step(*args, **kwargs):
+        first_step.append(True)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(EpochPlan, "_batches", batches)
+    monkeypatch.setattr(train_module, "train_step", step)
+    train(tiny_config(tmp_path, cache, epochs=3, save_every=0), echo=lambda s: None)
+    # prepare counts the steps of epochs 0, 1 and 2; the rank then plans only the epoch it starts with.
+    assert planned == [0, 1, 2, 0]

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode, decompress, encoded_size
@@ -156,6 +155,8 @@ class Cache:
 
     def decode_planes(self, row: StoredRow) -> tuple[np.ndarray, torch.Tensor | None]:
         """Decompress a stored row's hidden payload: (uint8 planes, fp32 scales or None)."""
+        import torch  # here, not at the top: opening a cache (`inspect`) needs no torch
+
         n = len(row.input_ids)
         planes = decompress(row.hidden, self.codec, encoded_size(self.codec, n, self.width))
         scales = None
@@ -164,6 +165,8 @@ class Cache:
         return planes, scales
 
     def __getitem__(self, sample_id: int) -> CachedSample:
+        import torch
+
         row = self.read_stored(sample_id)
         planes, scales = self.decode_planes(row)
         n = len(row.input_ids)

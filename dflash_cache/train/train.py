@@ -73,18 +73,18 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
         else:
             device = "cpu"
         check_target_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if rank == 0:
-            prepare(cfg, world, echo)
-        run_rank(rank, world, device, cfg, echo, local)
+        epoch_steps = prepare(cfg, world, echo) if rank == 0 else None
+        run_rank(rank, world, device, cfg, echo, local, epoch_steps)
         return
     devices = plan_devices(cfg.gpus, cfg.cpu_procs)
     check_target_gpus(cfg, len(devices))
-    prepare(cfg, len(devices), echo)
-    launch(run_rank, devices, (cfg, echo))
+    epoch_steps = prepare(cfg, len(devices), echo)
+    launch(run_rank, devices, (cfg, echo, None, epoch_steps))
 
 
-def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
-    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan."""
+def prepare(cfg: TrainConfig, world: int, echo: Echo) -> dict[int, int]:
+    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan.
+    Returns the steps of each epoch counted, for the ranks not to plan every epoch again."""
     source = open_source(cfg)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
@@ -93,34 +93,38 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
         checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         train_keys, eval_keys = source.split(cfg.eval_fraction)
         plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
+        plan_lines = plan.describe(0)  # before the other epochs are counted, while epoch 0 is still cached
         total = plan.total_steps(cfg.epochs, cfg.steps)
         for note in notes:
             echo(f"drafter config: {note}")
         echo(f"{source.describe()}: {len(train_keys)} to train on, "
              f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps")
-        for line in plan.describe(0):
+        for line in plan_lines:
             echo(line)
         if checkpoint is not None:
             echo(f"resuming from {checkpoint}")
+        return plan.epoch_steps
     finally:
         source.close()
 
 
-def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None) -> None:
-    """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index)."""
+def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None,
+             epoch_steps: dict[int, int] | None = None) -> None:
+    """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index);
+    `epoch_steps`: from `prepare` in this run."""
     me = init_rank(rank, world, device, cfg.collective_timeout_s)
     try:
         source = open_source(cfg, target_device(cfg, rank if local is None else local, device))
-        run(me, cfg, echo if me.is_main else None, source)
+        run(me, cfg, echo if me.is_main else None, source, epoch_steps)
     finally:
         shutdown()
 
 
-def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source) -> None:
+def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_steps: dict[int, int] | None = None) -> None:
     """This rank's training loop, fed by `source` (closed at the end)."""
     out = Path(cfg.out)
     train_keys, eval_keys = source.split(cfg.eval_fraction)
-    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
+    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum, epoch_steps)
     total = plan.total_steps(cfg.epochs, cfg.steps)
     held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
 

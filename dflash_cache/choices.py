@@ -1,0 +1,9 @@
+"""Values the commands offer as choices, kept here so that `--help` lists them without importing
+torch or transformers (the modules that use them import them from here)."""
+
+from pathlib import Path
+
+CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # weights of `export`
+TARGET_DTYPES = ("float32", "bfloat16")  # the target of `eval --target`
+DEMO_ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
