@@ -9,7 +9,7 @@ import pytest
 from tests.cachegen import write_random_cache
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["extract", "train", "inspect", "verify", "export", "eval", "demo"]
+COMMANDS = ["regenerate", "extract", "train", "inspect", "verify", "export", "eval", "demo"]
 
 
 def heavy_modules_after(args: list[str]) -> list[str]:
