@@ -1,9 +1,11 @@
+import sys
 from pathlib import Path
 
 import click
 from tqdm import tqdm
 
 from dflash_cache.choices import CODECS
+from dflash_cache.progress import ProgressLog
 from dflash_cache_cli.options import INT_LIST
 
 
@@ -39,25 +41,34 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
     )
-    bar = None
+    bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
 
     def on_plan(samples: int, tokens: int) -> None:
-        nonlocal bar
+        nonlocal bar, log
         if not samples:
             return
         click.echo(f"to extract: {samples} samples, {tokens} tokens", err=True)
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True, disable=None)
+        if sys.stderr.isatty():
+            bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+        else:  # a log file: tqdm would print nothing
+            log = ProgressLog("extract", samples, tokens, lambda line: click.echo(line, err=True)).start()
 
     def on_progress(p) -> None:
         written[0] += p.bytes
         written[1] += p.wait_s
+        if log is not None:
+            log.update(p.samples, p.tokens, p.bytes)
         if bar is not None:
             bar.update(p.tokens)
             waiting = " (waiting on disk)" if p.wait_s > 0.1 else ""
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
-    summary = extract(opts, on_progress, on_plan)
+    try:
+        summary = extract(opts, on_progress, on_plan)
+    finally:
+        if log is not None:
+            log.close()
     if bar is not None:
         bar.close()
     if summary.already_complete:
