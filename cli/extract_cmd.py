@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -25,7 +26,14 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
 @click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, help="Processes for tokenizing conversations (0: in the main process).")
-def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers):
+@click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True,
+              help="A malformed line, a record with nothing to train on or a chat-template error: stop naming file:line, or skip it (counted, and listed with file:line and reason in the manifest).")
+@click.option("--chat-template-kwargs", "chat_template_kwargs", metavar="JSON",
+              help='Extra chat-template options as a JSON object, e.g. \'{"enable_thinking": false}\' (part of the cache spec).')
+@click.option("--strict-template", is_flag=True, help="A conversation the chat template does not render as the data has it (reasoning or tool calls dropped, prompts that are not prefixes) is a bad record, not a warning.")
+@click.option("--max-record-bytes", type=click.IntRange(min=1), help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.")
+def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers,
+            on_bad_record, chat_template_kwargs, strict_template, max_record_bytes):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -36,13 +44,27 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         num_draft_layers = 5
     if shard_size <= 0:
         raise click.BadParameter("must be positive", param_hint="--shard-size")
+    template_kwargs = _json_object(chat_template_kwargs)
     opts = ExtractOptions(
         target=target, data=list(data), out=out, layers=layers, num_draft_layers=num_draft_layers, codec=codec,
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
+        on_bad_record=on_bad_record, chat_template_kwargs=template_kwargs, strict_template=strict_template,
+        max_record_bytes=max_record_bytes,
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
+
+    def on_data(loaded) -> None:
+        if loaded.bad_records:
+            first = loaded.bad_records[0]
+            click.echo(f"skipped {len(loaded.bad_records)} bad records (listed in the manifest), e.g. {first['where']}: {first['reason']}", err=True)
+        if loaded.untrainable:
+            click.echo(f"skipped {len(loaded.untrainable)} samples with no assistant token within --max-length {max_length} "
+                       f"(listed in the manifest), e.g. {loaded.untrainable[0]['where']}", err=True)
+        if loaded.unfaithful:
+            click.echo(f"warning: the chat template does not render {loaded.unfaithful} conversations as the data has them "
+                       f"(recorded in the manifest; --strict-template makes it an error), e.g. {loaded.unfaithful_examples[0]}", err=True)
 
     def on_plan(samples: int, tokens: int) -> None:
         nonlocal bar, log
@@ -65,7 +87,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
     try:
-        summary = extract(opts, on_progress, on_plan)
+        summary = extract(opts, on_progress, on_plan, on_data)
     finally:
         if log is not None:
             log.close()
@@ -77,10 +99,23 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     per_token = summary.bytes / max(summary.tokens, 1)
     click.echo(
         f"done: {summary.samples} samples, {summary.tokens} tokens, {per_token / 1024:.2f} KiB/token, "
-        f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped"
+        f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped, "
+        f"{summary.bad_records} bad records, {summary.untrainable} with nothing to train on"
     )
     for r in summary.ranks:
         rate = r.tokens / max(r.compute_s, 1e-9)
         click.echo(f"  rank {r.rank}: {r.tokens} tokens, {rate:,.0f} tokens/s, {r.wait_s:.1f} s waiting on disk")
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")
+
+
+def _json_object(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not valid JSON ({e.msg} at column {e.colno})", param_hint="--chat-template-kwargs") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'", param_hint="--chat-template-kwargs")
+    return value or None

@@ -50,14 +50,19 @@ def test_load_all_forms_with_stable_ids(files, tokenizer):
 
 
 def test_truncation(files, tokenizer):
+    """Samples are cut to max_length; those left with nothing to train on are skipped and listed."""
     full = load_samples(files, tokenizer, max_length=4096)
-    lengths = full.lengths()
     data = load_samples(files, tokenizer, max_length=20)
-    assert data.num_truncated == int((lengths > 20).sum()) > 0
-    for before, after in zip(full.samples, data.samples):
-        n = min(len(before.input_ids), 20)
-        assert after.input_ids.tolist() == before.input_ids[:n].tolist()
-        assert after.loss_mask.tolist() == before.loss_mask[:n].tolist()
+    kept = {s.sample_id: s for s in data.samples}
+    trainable = [s for s in full.samples if s.loss_mask[:20].any()]
+    assert sorted(kept) == [s.sample_id for s in trainable]
+    assert [u["sample_id"] for u in data.untrainable] == [s.sample_id for s in full.samples if not s.loss_mask[:20].any()]
+    assert data.untrainable and all(":" in u["where"] for u in data.untrainable)
+    assert data.num_truncated == sum(len(s.input_ids) > 20 for s in trainable) > 0
+    for before in trainable:
+        after = kept[before.sample_id]
+        assert after.input_ids.tolist() == before.input_ids[:20].tolist()
+        assert after.loss_mask.tolist() == before.loss_mask[:20].tolist()
 
 
 def test_worker_processes_give_the_same_result(files, tokenizer, monkeypatch):
@@ -92,7 +97,7 @@ def test_conversations_need_a_chat_template(files):
 def test_bad_arguments(tmp_path, files, tokenizer):
     with pytest.raises(DFlashCacheError, match="no data files given"):
         load_samples([], tokenizer, max_length=64)
-    with pytest.raises(DFlashCacheError, match=r"data file not found: .*missing.jsonl"):
+    with pytest.raises(DFlashCacheError, match=r"data file .*missing.jsonl does not exist"):
         load_samples([files[0], tmp_path / "missing.jsonl"], tokenizer, max_length=64)
     with pytest.raises(DFlashCacheError, match="max length must be at least 1"):
         load_samples(files, tokenizer, max_length=0)

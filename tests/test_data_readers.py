@@ -131,7 +131,7 @@ def test_empty_parquet(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(DFlashCacheError, match="cannot read data file .*nope.jsonl"):
+    with pytest.raises(DFlashCacheError, match="data file .*nope.jsonl does not exist"):
         list(read_records(tmp_path / "nope.jsonl"))
 
 

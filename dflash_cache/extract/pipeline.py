@@ -23,7 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
-from dflash_cache.data.dataset import load_samples
+from dflash_cache.data.dataset import EncodeOptions, LoadedData, load_samples
+from dflash_cache.data.readers import check_data_file
 from dflash_cache.data.plan import plan_batches, shard_for_rank
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
@@ -56,6 +57,10 @@ class ExtractOptions:
     max_shard_bytes: int = 512 << 20
     compress_threads: int | None = None
     tokenize_workers: int = 0
+    on_bad_record: str = "error"  # a record that cannot be used: stop naming file:line, or skip and list it
+    chat_template_kwargs: dict | None = None  # extra chat-template options (enable_thinking...), part of the spec
+    strict_template: bool = False  # a template that does not render a conversation faithfully is a bad record
+    max_record_bytes: int | None = None  # longer JSONL lines are bad records; None: from max_length
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
 
 
@@ -69,6 +74,8 @@ class ExtractSummary:
     skipped: int
     ranks: list[RankSummary] = field(default_factory=list)
     already_complete: bool = False
+    bad_records: int = 0  # records left out by --on-bad-record skip (listed in the manifest)
+    untrainable: int = 0  # samples left out with nothing to train on within --max-length
     manifest: dict | None = None
 
 
@@ -101,9 +108,10 @@ def _check_options(opts: ExtractOptions) -> None:
         raise DFlashCacheError(f"--topk must be 0 or more, got {opts.topk}")
     if opts.on_bad_sample not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
+    if opts.on_bad_record not in ("error", "skip"):
+        raise DFlashCacheError(f"--on-bad-record must be error or skip, got {opts.on_bad_record!r}")
     for path in opts.data:
-        if not Path(path).is_file():
-            raise DFlashCacheError(f"data file {path} does not exist")
+        check_data_file(path)
 
 
 def _exists(store: Path | RemoteDir, rel: str) -> bool:
@@ -127,9 +135,10 @@ def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
     return max(used, default=-1) + 1
 
 
-def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None, on_plan: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
+def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None, on_plan: Callable[[int, int], None] = lambda samples, tokens: None,
+            on_data: Callable[[LoadedData], None] = lambda data: None) -> ExtractSummary:
     """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens)`
-    is called once with the work left to do."""
+    is called once with the work left to do, `on_data` once with the loaded data (to report it)."""
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
@@ -151,10 +160,18 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     locks = [CacheLock(root, "main" if dist is None else f"r{rank_ids[0]}").acquire()]
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
-        data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers)
+        encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
+        data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers,
+                            options=encoding, on_bad_record=opts.on_bad_record)
+        on_data(data)
         if not data.samples:
-            raise DFlashCacheError("the data files hold no samples")
+            raise DFlashCacheError(
+                f"the data files hold no samples with tokens to train on ({len(data.bad_records)} bad records, "
+                f"{len(data.untrainable)} with no assistant token within --max-length {opts.max_length})"
+            )
         spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk)
+        if opts.chat_template_kwargs:
+            spec["chat_template_kwargs"] = opts.chat_template_kwargs
         state = read_journals(store)
         if state.spec is not None and state.spec != spec:
             diffs = "; ".join(spec_differences(state.spec, spec))
@@ -190,7 +207,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, all_ids, data.num_truncated)
+        manifest = _finalise(store, all_ids, data.report())
     finally:
         for lock in locks:
             lock.release()
@@ -202,19 +219,21 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         truncated=data.num_truncated,
         skipped=sum(len(s.skipped) for s in summaries),
         ranks=summaries,
+        bad_records=len(data.bad_records),
+        untrainable=len(data.untrainable),
         already_complete=not left,
         manifest=manifest,
     )
 
 
-def _finalise(store: Path | RemoteDir, all_ids: list[int], truncated: int) -> dict | None:
+def _finalise(store: Path | RemoteDir, all_ids: list[int], report: dict) -> dict | None:
     """Write the manifest once the journals cover every sample and the target head is there (under
     torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes)."""
     state = read_journals(store)
     missing = set(all_ids) - state.done_sample_ids()
     if missing or not _exists(store, HEAD):
         return None
-    manifest = build_manifest(state, {"extract": {"truncated": truncated}})
+    manifest = build_manifest(state, {"extract": report})
     if isinstance(store, RemoteDir):
         write_remote_manifest(store, manifest)
     else:
