@@ -62,7 +62,7 @@ class _Field:
 
 @dataclass(frozen=True)
 class _Template:
-    generation_prompt: str
+    turn_openers: tuple[str, ...]  # what ends right before generation starts, best first
     end_of_turn: tuple[str, ...]
 
 
@@ -101,7 +101,7 @@ def encode_conversation(
             continue
         before = max((e for s, e, f in spans if f.message != i and e <= mine[0][0]), default=0)
         after = min((s for s, e, f in spans if f.message != i and s >= mine[-1][1]), default=len(full))
-        start = _turn_start(full, before, mine[0][0], template.generation_prompt)
+        start = _turn_start(full, before, mine[0][0], template.turn_openers)
         eot, end = _turn_end(full, mine[-1][1], after, template.end_of_turn)
         turns.append((start, eot, end, mine))
     for i in sorted({assistant[0], assistant[-1]}):
@@ -152,38 +152,40 @@ def _probe(messages: list[dict]) -> tuple[list[_Field], list[dict]]:
                 for call in m["tool_calls"]
             ]
         # An empty content is left as it is (templates branch on it), unless it is all the turn has.
-        if m["content"] or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls")):
-            m["content"] = mark(i, "content" if is_assistant else "other", m["content"])
+        if m.get("content") or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls")):
+            m["content"] = mark(i, "content" if is_assistant else "other", m.get("content") or "")
         probe.append(m)
     return fields, probe
 
 
 def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -> list[tuple[int, int, _Field]]:
     """(start, end, field) in `full` of every field the template renders, in text order."""
-    placed = []
+    placed = []  # (position in the probe, field, first copy of it)
     for f in fields:
-        count = probe.count(f.mark)
-        if count > 1:
-            raise DFlashCacheError("the chat template renders a message field more than once; the turns cannot be located")
-        if count == 0:
+        at = probe.find(f.mark)
+        if at < 0:
             if f.kind in ("reasoning", "tool_call", "content"):
                 unfaithful.append(f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}")
             continue
-        placed.append((probe.index(f.mark), f))
+        first = True
+        while at >= 0:  # a field may be rendered again later (gpt-oss names the tool in its result)
+            placed.append((at, f, first))
+            at, first = probe.find(f.mark, at + 1), False
     placed.sort(key=lambda p: p[0])
     pieces, last = [], 0
-    for at, f in placed:
+    for at, f, _ in placed:
         pieces.append(probe[last:at])
         last = at + len(f.mark)
     tail = probe[last:]
     spans, pos = [], 0
-    for k, (_, f) in enumerate(placed):
+    for k, (_, f, first) in enumerate(placed):
         if not full.startswith(pieces[k], pos):
             raise _misaligned()
         pos += len(pieces[k])
         after = pieces[k + 1] if k + 1 < len(placed) else tail
         length = _rendered_length(full, pos, f.value, after, k + 1 == len(placed))
-        spans.append((pos, pos + length, f))
+        if first:
+            spans.append((pos, pos + length, f))
         pos += length
     if full[pos:] != tail:
         raise _misaligned()
@@ -223,6 +225,12 @@ def _template(tokenizer, kwargs: dict, render) -> _Template:
     prompt_only, with_prompt = render([user]), render([user], True)
     prompt = with_prompt[len(prompt_only) :] if with_prompt.startswith(prompt_only) else ""
     specials = _special_tokens(tokenizer)
+    # The generation prompt; where a past turn was rendered without all of it (a think block it no
+    # longer opens), its longest part that ends a line or a special token; a template with no
+    # generation prompt (Mistral) starts generating right after the user turn's closing text.
+    cuts = [prompt[:k] for k in range(len(prompt) - 1, 0, -1)
+            if prompt[k - 1] == "\n" or any(prompt[:k].endswith(s) for s in specials)]
+    openers = [prompt, *cuts] if prompt else [_after(with_prompt, question)]
     final = render([user, reply])
     ends = set(_specials_in(_after(final, answer), specials)[-1:])  # what closes a final turn
     past = render([user, reply, {"role": "user", "content": follow_up}])
@@ -235,7 +243,7 @@ def _template(tokenizer, kwargs: dict, render) -> _Template:
         called = ""  # a template without tool calls
     if call_name in called:
         ends.update(_specials_in(_after(called, call_name), specials)[-1:])
-    _templates[key] = _Template(prompt, tuple(sorted(ends, key=len, reverse=True)))
+    _templates[key] = _Template(tuple(o for o in openers if o), tuple(sorted(ends, key=len, reverse=True)))
     return _templates[key]
 
 
@@ -263,9 +271,12 @@ def _specials_in(text: str, specials: list[str]) -> list[str]:
     return found
 
 
-def _turn_start(full: str, before: int, first: int, prompt: str) -> int:
-    at = full.rfind(prompt, before, first) if prompt else -1
-    return at + len(prompt) if at >= 0 else first
+def _turn_start(full: str, before: int, first: int, openers: tuple[str, ...]) -> int:
+    for opener in openers:
+        at = full.rfind(opener, before, first)
+        if at >= 0:
+            return at + len(opener)
+    return first
 
 
 def _turn_end(full: str, last: int, after: int, ends: tuple[str, ...]) -> tuple[int, int]:

@@ -1,0 +1,246 @@
+"""Real chat templates (tests/fixtures/templates, sources in SOURCES.md) on the cases real data has.
+
+The expected mask of every case is written out below as the text of each run of masked tokens: what
+the model generates in each assistant turn (after the generation prompt, through the end-of-turn
+token), read off the template by hand.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken
+
+from dflash_cache.data.messages import parse_conversation
+from dflash_cache.data.tokenize import KINDS, encode_conversation
+from dflash_cache.errors import DFlashCacheError
+from tests.tiny import build_tokenizer
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+DEEPSEEK_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                   "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                   "<｜tool▁output▁end｜>"]
+
+
+@dataclass(frozen=True)
+class Family:
+    template: str
+    special: list[str]
+    plain: list[str]  # added tokens that are not special (Qwen's <think>, <tool_call>...)
+    eos: str
+    bos: str | None = None
+
+
+FAMILIES = {
+    "qwen3": Family("qwen3-4b-thinking-2507.jinja", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+                    ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+                    "<|im_end|>"),
+    "gpt-oss": Family("gpt-oss-20b.jinja", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+                      "<|call|>", "<|constrain|>", "<|startoftext|>", "<|endoftext|>"], [], "<|return|>", "<|startoftext|>"),
+    "llama3.1": Family("llama-3.1-instruct.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                       "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], [], "<|eot_id|>", "<|begin_of_text|>"),
+    "deepseek-r1-distill": Family("deepseek-r1-distill-qwen-32b.jinja", DEEPSEEK_TOKENS, ["<think>", "</think>"],
+                                  "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "deepseek-v3.1": Family("deepseek-v3.1.jinja", DEEPSEEK_TOKENS, ["<think>", "</think>"],
+                            "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "mistral-small-3.1": Family("mistral-small-3.1-24b-instruct-2503.jinja",
+                                ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
+                                 "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
+}
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def tool_conversation(content_key: bool) -> dict:
+    call = {"role": "assistant", "tool_calls": [{"id": "call00001", "type": "function",
+                                                 "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+    if content_key:  # OpenAI's form; gpt-oss's template wants the key absent, DeepSeek's wants it null
+        call["content"] = None
+    return {"messages": [{"role": "user", "content": "weather?"}, call,
+                         {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "sunny"},
+                         {"role": "assistant", "content": "Sunny."}], "tools": TOOLS}
+
+
+CASES = {
+    "single": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]},
+    "system_multi": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q1"},
+                                  {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+                                  {"role": "assistant", "content": "A2"}]},
+    "reasoning_content": {"messages": [{"role": "user", "content": "Q"},
+                                       {"role": "assistant", "reasoning_content": "R.", "content": "A."}]},
+    "thinking": {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "thinking": "R.", "content": "A."}]},
+    "tools": tool_conversation(content_key=True),
+    "empty": {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]},
+    "parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "text", "text": "2"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "2"}]}]},
+    "trailing_user": {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                                   {"role": "user", "content": "Q2"}]},
+}
+
+QWEN_CLOSE = "\n</think>\n\n"  # the generation prompt opens the think block; the model closes it
+GPT_FINAL = "<|channel|>final<|message|>"
+EOS_DS = "<｜end▁of▁sentence｜>"
+EXPECTED = {
+    "qwen3": {
+        "single": [QWEN_CLOSE + "Hello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", QWEN_CLOSE + "A2<|im_end|>"],
+        "reasoning_content": ["R." + QWEN_CLOSE + "A.<|im_end|>"],
+        "thinking": ["R." + QWEN_CLOSE + "A.<|im_end|>"],
+        "tools": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                  QWEN_CLOSE + "Sunny.<|im_end|>"],
+        "empty": [QWEN_CLOSE + "<|im_end|>"],
+        "parts": [QWEN_CLOSE + "A2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+    },
+    "gpt-oss": {
+        "single": [GPT_FINAL + "Hello there.<|return|>"],
+        "system_multi": [GPT_FINAL + "A1<|end|>", GPT_FINAL + "A2<|return|>"],
+        "reasoning_content": ["<|channel|>analysis<|message|>R.<|end|><|start|>assistant" + GPT_FINAL + "A.<|return|>"],
+        "thinking": ["<|channel|>analysis<|message|>R.<|end|><|start|>assistant" + GPT_FINAL + "A.<|return|>"],
+        "tools": [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                  GPT_FINAL + "Sunny.<|return|>"],
+        "empty": [GPT_FINAL + "<|return|>"],
+        "parts": [GPT_FINAL + "A2<|return|>"],
+        "trailing_user": [GPT_FINAL + "A1<|end|>"],
+    },
+    "llama3.1": {
+        "single": ["Hello there.<|eot_id|>"],
+        "system_multi": ["A1<|eot_id|>", "A2<|eot_id|>"],
+        "reasoning_content": ["A.<|eot_id|>"],
+        "thinking": ["A.<|eot_id|>"],
+        "tools": ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "Sunny.<|eot_id|>"],
+        "empty": ["<|eot_id|>"],
+        "parts": ["A2<|eot_id|>"],
+        "trailing_user": ["A1<|eot_id|>"],
+    },
+    "deepseek-r1-distill": {
+        "single": ["Hello there." + EOS_DS],
+        "system_multi": ["A1" + EOS_DS, "A2" + EOS_DS],
+        "reasoning_content": ["A." + EOS_DS],
+        "thinking": ["A." + EOS_DS],
+        # the arguments as the data wrote them: this template concatenates them as text
+        "tools": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                  '{"city":"Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' + EOS_DS, "Sunny." + EOS_DS],
+        "empty": [EOS_DS],
+        "parts": ["A2" + EOS_DS],
+        "trailing_user": ["A1" + EOS_DS],
+    },
+    "deepseek-v3.1": {
+        "single": ["Hello there." + EOS_DS],
+        "system_multi": ["A1" + EOS_DS, "A2" + EOS_DS],
+        "reasoning_content": ["A." + EOS_DS],
+        "thinking": ["A." + EOS_DS],
+        "tools": ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜>'
+                  "<｜tool▁calls▁end｜>" + EOS_DS, "Sunny." + EOS_DS],
+        "empty": [EOS_DS],
+        "parts": ["A2" + EOS_DS],
+        "trailing_user": ["A1" + EOS_DS],
+    },
+    "mistral-small-3.1": {
+        "single": ["Hello there.</s>"],
+        "system_multi": ["A1</s>", "A2</s>"],
+        "reasoning_content": ["A.</s>"],
+        "thinking": ["A.</s>"],
+        "tools": ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>', "Sunny.</s>"],
+        "empty": ["</s>"],
+        "parts": ["A2</s>"],
+        "trailing_user": ["A1</s>"],
+    },
+}
+# What each template does not render as the data has it, by hand from the template text.
+UNFAITHFUL = {
+    ("qwen3", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation"],  # no think block on past turns
+    ("qwen3", "tools"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
+    ("qwen3", "trailing_user"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
+    **{(family, case): ["the template does not render the reasoning of assistant turn 1"]
+       for family in ("llama3.1", "deepseek-v3.1", "mistral-small-3.1") for case in ("reasoning_content", "thinking")},
+    # R1-Distill: the generation prompt opens a think block no rendered turn has, and reasoning is dropped
+    **{("deepseek-r1-distill", case): ["the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for case in ("single", "tools", "empty", "parts", "trailing_user")},
+    **{("deepseek-r1-distill", case): ["the template does not render the reasoning of assistant turn 1",
+                                       "the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for case in ("reasoning_content", "thinking")},
+    ("deepseek-r1-distill", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
+                                              "the prompt of assistant turn 4 is not a prefix of the conversation"],
+}
+
+
+def family_tokenizer(family: Family):
+    tokenizer = build_tokenizer(chat_template=(TEMPLATES / family.template).read_text())
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in family.special], special_tokens=True)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.plain])
+    tokenizer.eos_token = family.eos
+    if family.bos:
+        tokenizer.bos_token = family.bos
+    return tokenizer
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param, family_tokenizer(FAMILIES[request.param])
+
+
+def masked_runs(tokenizer, ids, mask) -> list[str]:
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def encode(tokenizer, record: dict, **kwargs):
+    messages, tools = parse_conversation(record, "messages")
+    return messages, tools, encode_conversation(tokenizer, messages, tools, kwargs or None)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mask_of_every_case(family, case):
+    name, tokenizer = family
+    record = tool_conversation(content_key=False) if (name, case) == ("gpt-oss", "tools") else CASES[case]
+    messages, tools, encoded = encode(tokenizer, record)
+    assert encoded.input_ids == list(tokenizer.apply_chat_template(messages, tools=tools)["input_ids"])
+    assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == EXPECTED[name][case]
+    assert encoded.unfaithful == UNFAITHFUL.get((name, case), [])
+
+
+def test_templates_own_refusals_stay_errors():
+    llama = family_tokenizer(FAMILIES["llama3.1"])
+    two_calls = tool_conversation(content_key=True)
+    two_calls["messages"][1]["tool_calls"] *= 2
+    with pytest.raises(DFlashCacheError, match="chat template failed on this conversation: This model only supports "
+                                               "single tool-calls at once!"):
+        encode(llama, two_calls)
+    gpt_oss = family_tokenizer(FAMILIES["gpt-oss"])
+    with pytest.raises(DFlashCacheError, match="chat template failed on this conversation: argument of type 'NoneType'"):
+        encode(gpt_oss, tool_conversation(content_key=True))
+
+
+def test_mask_kinds():
+    qwen = family_tokenizer(FAMILIES["qwen3"])
+    conversation = tool_conversation(content_key=True)
+    conversation["messages"][-1]["reasoning_content"] = "It is sunny."
+    _, _, encoded = encode(qwen, conversation)
+    by_kind = {kind: qwen.decode([t for t, k in zip(encoded.input_ids, encoded.kinds) if k == 1 + i])
+               for i, kind in enumerate(KINDS)}
+    assert by_kind == {
+        "reasoning": "It is sunny.",
+        "content": "Sunny.",
+        "tool_call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "markup": "<|im_end|>\n</think>\n\n<|im_end|>",
+    }
+
+
+def test_template_options_change_the_generation_prompt():
+    """DeepSeek-V3.1 with thinking on: its prompt opens a think block; past turns render without it."""
+    deepseek = family_tokenizer(FAMILIES["deepseek-v3.1"])
+    _, _, off = encode(deepseek, CASES["system_multi"])
+    _, _, on = encode(deepseek, CASES["system_multi"], thinking=True)
+    assert off.input_ids == on.input_ids  # the training text does not change ...
+    assert masked_runs(deepseek, on.input_ids, on.loss_mask) == ["</think>A1" + EOS_DS, "</think>A2" + EOS_DS]
+    assert on.unfaithful == ["the prompt of assistant turn 2 is not a prefix of the conversation",
+                             "the prompt of assistant turn 4 is not a prefix of the conversation"]
