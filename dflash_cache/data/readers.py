@@ -208,7 +208,8 @@ def _int_list(value: object, field: str) -> np.ndarray:
     try:
         return np.array(value, dtype=np.int64)
     except OverflowError:
-        raise DFlashCacheError(f"'{field}' holds an integer too large for a token id") from None
+        big = next(v for v in value if not -(2**63) <= v < 2**63)
+        raise DFlashCacheError(f"'{field}' holds {big}, an integer too large for a token id") from None
 
 
 def _mask_list(value: object, length: int) -> np.ndarray:
@@ -303,6 +304,9 @@ def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[Tok
                 if row_mask.dtype != bool and not np.isin(row_mask, (0, 1)).all():
                     raise DFlashCacheError(f"{where}: 'loss_mask' holds values other than 0 and 1")
                 row_mask = row_mask.astype(bool)
+            if row_ids.dtype == np.uint64 and (row_ids > np.iinfo(np.int64).max).any():
+                position = int((row_ids > np.iinfo(np.int64).max).argmax())
+                raise DFlashCacheError(f"{where}: token id {int(row_ids[position])} at position {position} is too large for a token id")
             yield TokenRecord(row_ids.astype(np.int64), row_mask, where)
         row += batch.num_rows
 
