@@ -91,7 +91,7 @@ def encode_conversation(
     fields, probe_messages = _probe(messages)
     unfaithful: list[str] = []
     spans = _align(full, render(probe_messages), fields, unfaithful)
-    template = _template(tokenizer, kwargs, render)
+    template = _template(tokenizer, kwargs)
     turns = []
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in assistant:
@@ -104,7 +104,7 @@ def encode_conversation(
         start = _turn_start(full, before, mine[0][0], template.turn_openers)
         eot, end = _turn_end(full, mine[-1][1], after, template.end_of_turn)
         turns.append((start, eot, end, mine))
-    for i in sorted({assistant[0], assistant[-1]}):
+    for i in sorted({assistant[0], assistant[-1]} if assistant else ()):
         if i > 0 and not full.startswith(render(messages[:i], True)):
             unfaithful.append(f"the prompt of assistant turn {i} is not a prefix of the conversation")
     ids, kinds = _tokens(tokenizer, full, turns)
@@ -214,9 +214,11 @@ def _misaligned() -> DFlashCacheError:
     )
 
 
-def _template(tokenizer, kwargs: dict, render) -> _Template:
+def _template(tokenizer, kwargs: dict) -> _Template:
     """The generation prompt and end-of-turn tokens of this template, from one-word conversations."""
-    key = (id(tokenizer), tokenizer.chat_template, json.dumps(kwargs, sort_keys=True, default=str))
+    render = lambda msgs, prompt=False: _render(tokenizer, msgs, None, kwargs, prompt)  # noqa: E731
+    specials = _special_tokens(tokenizer)
+    key = (tokenizer.chat_template, json.dumps(kwargs, sort_keys=True, default=str), tuple(specials))
     if key in _templates:
         return _templates[key]
     question, answer, call_name, follow_up = (_MARK.format(n) for n in range(4))
@@ -224,7 +226,6 @@ def _template(tokenizer, kwargs: dict, render) -> _Template:
     reply = {"role": "assistant", "content": answer}
     prompt_only, with_prompt = render([user]), render([user], True)
     prompt = with_prompt[len(prompt_only) :] if with_prompt.startswith(prompt_only) else ""
-    specials = _special_tokens(tokenizer)
     # The generation prompt; where a past turn was rendered without all of it (a think block it no
     # longer opens), its longest part that ends a line or a special token; a template with no
     # generation prompt (Mistral) starts generating right after the user turn's closing text.

@@ -17,7 +17,7 @@ from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS, ShardPool
 from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from.
-FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length"}
+FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs"}
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:

@@ -79,6 +79,12 @@ class CacheSource(Source):
 
     def check(self) -> None:
         check_head(self.caches)
+        for cache in self.caches.caches:
+            masked = cache.manifest.get("extract", {}).get("masked_tokens")
+            if masked is not None and sum(masked.values()) == 0:
+                raise DFlashCacheError(
+                    f"{cache.root} holds no token to train on (every loss mask is zero); extract it again from "
+                    "data with assistant turns within --max-length")
 
     def describe(self) -> str:
         return f"{len(self.caches)} samples in {len(self.caches.caches)} cache(s)"
