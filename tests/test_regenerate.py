@@ -263,3 +263,22 @@ def test_kill_9_part_way_then_rerun_gives_the_uninterrupted_file(tmp_path, trans
     lines = killed.read_text().splitlines()
     assert len(lines) == len(set(lines)) == 12
     assert set(lines) == set(whole.read_text().splitlines())
+
+
+def test_requests_carry_tool_call_arguments_as_json_text(tmp_path):
+    """The OpenAI API takes arguments as a string; the reader hands templates an object."""
+    import json as _json
+
+    from dflash_cache.regenerate.conversations import read_jobs, request_messages
+
+    path = tmp_path / "calls.jsonl"
+    path.write_text(_json.dumps({"messages": [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": None, "reasoning_content": "r",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": "1"}]}) + "\n")
+    (job,) = read_jobs([path])
+    sent = _json.loads(_json.dumps(request_messages(job.messages[:3])))
+    assert sent[1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}

@@ -63,9 +63,15 @@ def turns_to_regenerate(messages: list[dict], turns: str) -> list[int]:
 
 
 def request_messages(messages: list[dict]) -> list[dict]:
-    """The conversation as sent to the target: past turns without their reasoning."""
-    return [{key: value for key, value in message.items() if key not in REASONING_FIELDS}
+    """The conversation as sent to the target: past turns without their reasoning, tool-call
+    arguments as the JSON text the OpenAI API takes."""
+    return [{key: _calls_as_text(value) if key == "tool_calls" else value
+             for key, value in message.items() if key not in REASONING_FIELDS}
             if message["role"] == "assistant" else message for message in messages]
+
+
+def _calls_as_text(calls: list[dict]) -> list[dict]:
+    return [{**call, "function": {**call["function"], "arguments": str(call["function"]["arguments"])}} for call in calls]
 
 
 def regenerate_conversation(messages: list[dict], turns: str,
