@@ -92,3 +92,16 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
 
 def count(tokenizer, *texts: str) -> int:
     return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+
+
+def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
+    data = write(tmp_path / "data.jsonl", GOOD[:1])
+    out = tmp_path / "cache"
+    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--out", out]
+    code, _, err = cli(*args, "--chat-template-kwargs", "[1]")
+    assert code == 2 and "--chat-template-kwargs" in err and "must be a JSON object" in err
+    code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert code == 0, err
+    assert open_cache(out).spec["chat_template_kwargs"] == {"enable_thinking": False}
+    code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": true}')
+    assert code == 1 and "chat_template_kwargs.enable_thinking: False -> True" in err
