@@ -18,7 +18,7 @@ import multiprocessing
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
@@ -55,7 +55,7 @@ class EncodeOptions:
 
 
 @dataclass
-class Encoded:
+class EncodedRecord:
     """One record as a sample: ids and mask cut to max_length, and what was found on the way."""
 
     input_ids: np.ndarray  # [T] int32
@@ -105,9 +105,7 @@ def load_samples(
         raise DFlashCacheError(f"max length must be at least 1, got {max_length}")
     if on_bad_record not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
-    options = options or EncodeOptions(max_length)
-    if options.max_length != max_length:
-        options = EncodeOptions(max_length, options.template_kwargs, options.strict_template, options.max_record_bytes)
+    options = replace(options or EncodeOptions(max_length), max_length=max_length)
     paths = [Path(p) for p in paths]
     source_hash = hash_files(paths)
     vocab_size = len(tokenizer)
@@ -145,14 +143,12 @@ def hash_files(paths: Sequence[Path]) -> str:
             with open(path, "rb") as f:
                 while block := f.read(1 << 22):
                     digest.update(block)
-        except FileNotFoundError:
-            raise DFlashCacheError(f"data file not found: {path}") from None
         except OSError as e:
             raise DFlashCacheError(f"cannot read data file {path}: {e.strerror or e}") from None
     return digest.hexdigest()
 
 
-def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOptions) -> Encoded:
+def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOptions) -> EncodedRecord:
     """One record as a sample; errors are DFlashCacheError without the record's place."""
     if isinstance(record, Conversation):
         encoded = encode_conversation(tokenizer, record.messages, record.tools, options.template_kwargs)
@@ -167,10 +163,10 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     truncated = len(ids) > options.max_length
     ids, kinds = ids[: options.max_length], kinds[: options.max_length]
     masked = np.bincount(kinds, minlength=len(KINDS) + 1)[1:].astype(np.int64)
-    return Encoded(ids, kinds > 0, truncated, masked, unfaithful)
+    return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful)
 
 
-def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord, options: EncodeOptions) -> tuple[str, Encoded | str]:
+def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord, options: EncodeOptions) -> tuple[str, EncodedRecord | str]:
     """(where, the sample or why the record cannot be one)."""
     if isinstance(record, BadRecord):
         return record.where, record.reason
@@ -193,7 +189,7 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def _encode_chunks(
     chunks: Iterator[list[Record | BadRecord]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
-) -> Iterator[list[tuple[str, Encoded | str]]]:
+) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
     if workers <= 1:
         for chunk in chunks:
             yield [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]
@@ -218,6 +214,6 @@ def _init_worker(tokenizer, vocab_size: int, options: EncodeOptions) -> None:
     _worker_state = (tokenizer, vocab_size, options)
 
 
-def _encode_in_worker(chunk: list[Record | BadRecord]) -> list[tuple[str, Encoded | str]]:
+def _encode_in_worker(chunk: list[Record | BadRecord]) -> list[tuple[str, EncodedRecord | str]]:
     tokenizer, vocab_size, options = _worker_state
     return [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]

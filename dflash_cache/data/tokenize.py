@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import jinja2
 import numpy as np
 
+from dflash_cache.data.messages import ToolArguments
 from dflash_cache.errors import DFlashCacheError
 
 # Mask kinds, per masked token (inspect reports counts of each).
@@ -237,7 +238,7 @@ def _template(tokenizer, kwargs: dict) -> _Template:
     past = render([user, reply, {"role": "user", "content": follow_up}])
     ends.update(_specials_in(_after(past, answer).split(follow_up)[0], specials)[:1])  # ... and a past one
     call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": call_name, "arguments": {}}}]}
+        {"type": "function", "function": {"name": call_name, "arguments": ToolArguments({})}}]}
     try:
         called = render([user, call])
     except DFlashCacheError:
