@@ -77,7 +77,11 @@ CASES = {
                            {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "2"}]}]},
     "trailing_user": {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
                                    {"role": "user", "content": "Q2"}]},
+    # reasoning written into the content, as much data has it
+    "inline_think": {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nR1.\n</think>\n\nA1"},
+                                  {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>\nR2.\n</think>\n\nA2"}]},
 }
+INLINE = ["<think>\nR1.\n</think>\n\nA1", "<think>\nR2.\n</think>\n\nA2"]
 
 QWEN_CLOSE = "\n</think>\n\n"  # the generation prompt opens the think block; the model closes it
 GPT_FINAL = "<|channel|>final<|message|>"
@@ -93,6 +97,7 @@ EXPECTED = {
         "empty": [QWEN_CLOSE + "<|im_end|>"],
         "parts": [QWEN_CLOSE + "A2<|im_end|>"],
         "trailing_user": ["A1<|im_end|>"],
+        "inline_think": ["A1<|im_end|>", "R2." + QWEN_CLOSE + "A2<|im_end|>"],  # split off; dropped from the past turn
     },
     "gpt-oss": {
         "single": [GPT_FINAL + "Hello there.<|return|>"],
@@ -104,6 +109,7 @@ EXPECTED = {
         "empty": [GPT_FINAL + "<|return|>"],
         "parts": [GPT_FINAL + "A2<|return|>"],
         "trailing_user": [GPT_FINAL + "A1<|end|>"],
+        "inline_think": [GPT_FINAL + INLINE[0] + "<|end|>", GPT_FINAL + INLINE[1] + "<|return|>"],  # kept as text
     },
     "llama3.1": {
         "single": ["Hello there.<|eot_id|>"],
@@ -114,6 +120,7 @@ EXPECTED = {
         "empty": ["<|eot_id|>"],
         "parts": ["A2<|eot_id|>"],
         "trailing_user": ["A1<|eot_id|>"],
+        "inline_think": [INLINE[0] + "<|eot_id|>", INLINE[1] + "<|eot_id|>"],
     },
     "deepseek-r1-distill": {
         "single": ["Hello there." + EOS_DS],
@@ -126,6 +133,7 @@ EXPECTED = {
         "empty": [EOS_DS],
         "parts": ["A2" + EOS_DS],
         "trailing_user": ["A1" + EOS_DS],
+        "inline_think": ["\n\nA1" + EOS_DS, "\n\nA2" + EOS_DS],  # the template keeps what follows </think>
     },
     "deepseek-v3.1": {
         "single": ["Hello there." + EOS_DS],
@@ -137,6 +145,7 @@ EXPECTED = {
         "empty": [EOS_DS],
         "parts": ["A2" + EOS_DS],
         "trailing_user": ["A1" + EOS_DS],
+        "inline_think": ["\n\nA1" + EOS_DS, "\n\nA2" + EOS_DS],
     },
     "mistral-small-3.1": {
         "single": ["Hello there.</s>"],
@@ -147,6 +156,7 @@ EXPECTED = {
         "empty": ["</s>"],
         "parts": ["A2</s>"],
         "trailing_user": ["A1</s>"],
+        "inline_think": [INLINE[0] + "</s>", INLINE[1] + "</s>"],
     },
 }
 # What each template does not render as the data has it, by hand from the template text.
@@ -164,6 +174,14 @@ UNFAITHFUL = {
        for case in ("reasoning_content", "thinking")},
     ("deepseek-r1-distill", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
                                               "the prompt of assistant turn 4 is not a prefix of the conversation"],
+    ("qwen3", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
+                                "the prompt of assistant turn 1 is not a prefix of the conversation"],
+    ("deepseek-r1-distill", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
+                                              "the template does not render the reasoning of assistant turn 3",
+                                              "the prompt of assistant turn 1 is not a prefix of the conversation",
+                                              "the prompt of assistant turn 3 is not a prefix of the conversation"],
+    ("deepseek-v3.1", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
+                                        "the template does not render the reasoning of assistant turn 3"],
 }
 
 

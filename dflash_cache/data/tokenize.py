@@ -10,7 +10,9 @@ between them; separators after the end-of-turn token and the next turn's header 
 The spans are found by rendering, never by searching the data for marker strings, with a bounded
 number of renders whatever the number of turns:
 1. the conversation is rendered as given ("full"), and once more with every non-empty field of every
-   message (content, reasoning, tool-call names) replaced by a unique stand-in ("probe"). The probe
+   message (content, reasoning, tool-call names) replaced by a unique stand-in ("probe"; a content
+   opening with a <think> block gets one for the block and one for the rest, as templates that split
+   it off do, and a second probe without that split where it does not fit). The probe
    splits into the template's own text and the stand-ins; walking the full rendering along those
    pieces gives where each field's text lies in it (the field as given, or trimmed: templates `trim`).
    A stand-in missing from the probe is a field the template does not render (Qwen3 drops the
@@ -57,8 +59,9 @@ class Encoded:
 class _Field:
     message: int
     kind: str  # content, reasoning, tool_call (a call's name), or "other" for non-assistant content
-    value: str
+    values: tuple[str, ...]  # what the template may render for it, as given first
     mark: str
+    inline: bool = False  # reasoning written in the content as a leading <think>...</think> block
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,17 @@ def encode_conversation(
     kwargs = dict(template_kwargs or {})
     render = lambda msgs, prompt=False: _render(tokenizer, msgs, tools, kwargs, prompt)  # noqa: E731
     full = render(messages)
-    fields, probe_messages = _probe(messages)
     unfaithful: list[str] = []
-    spans = _align(full, render(probe_messages), fields, unfaithful)
+    fields, probe_messages = _probe(messages, split_inline=True)
+    try:
+        spans = _align(full, render(probe_messages), fields, unfaithful)
+    except DFlashCacheError:
+        if not any(f.inline for f in fields):
+            raise
+        # A template that branches on the reasoning field (gpt-oss) renders inline reasoning as text.
+        unfaithful.clear()
+        fields, probe_messages = _probe(messages, split_inline=False)
+        spans = _align(full, render(probe_messages), fields, unfaithful)
     template = _template(tokenizer, kwargs)
     turns = []
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -133,19 +144,25 @@ def _render(tokenizer, messages: list[dict], tools, kwargs: dict, add_generation
         raise DFlashCacheError(f"the chat template failed on this conversation: {message}") from None
 
 
-def _probe(messages: list[dict]) -> tuple[list[_Field], list[dict]]:
-    """Every field to locate, and the messages with each replaced by its stand-in."""
+def _probe(messages: list[dict], split_inline: bool) -> tuple[list[_Field], list[dict]]:
+    """Every field to locate, and the messages with each replaced by its stand-in; with `split_inline`,
+    a leading <think> block of a content is a reasoning field of its own."""
     fields: list[_Field] = []
     probe = []
 
-    def mark(i: int, kind: str, value: str) -> str:
-        fields.append(_Field(i, kind, value, _MARK.format(len(fields))))
+    def mark(i: int, kind: str, *values: str, inline: bool = False) -> str:
+        fields.append(_Field(i, kind, values, _MARK.format(len(fields)), inline))
         return fields[-1].mark
 
     for i, m in enumerate(messages):
         m = dict(m)
         is_assistant = m["role"] == "assistant"
-        if m.get("reasoning_content"):
+        inline = split_inline and is_assistant and _inline_reasoning(m)
+        if inline:  # templates that read it (Qwen3, QwQ, DeepSeek) split it off; others render it as text
+            reasoning, answer = inline
+            m["reasoning_content"] = m["thinking"] = mark(i, "reasoning", reasoning, inline=True)
+            m["content"] = mark(i, "content", m["content"], answer, answer.lstrip("\n"))
+        elif m.get("reasoning_content"):
             m["reasoning_content"] = m["thinking"] = mark(i, "reasoning", m["reasoning_content"])
         if m.get("tool_calls"):
             m["tool_calls"] = [
@@ -153,10 +170,22 @@ def _probe(messages: list[dict]) -> tuple[list[_Field], list[dict]]:
                 for call in m["tool_calls"]
             ]
         # An empty content is left as it is (templates branch on it), unless it is all the turn has.
-        if m.get("content") or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls")):
+        if not inline and (m.get("content") or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls"))):
             m["content"] = mark(i, "content" if is_assistant else "other", m.get("content") or "")
         probe.append(m)
     return fields, probe
+
+
+def _inline_reasoning(message: dict) -> tuple[str, str] | None:
+    """(reasoning, answer) of a content that opens with a <think> block, where no reasoning field is
+    given; split as Qwen3's template does."""
+    content = message.get("content")
+    if message.get("reasoning_content") or not isinstance(content, str) or not content.lstrip().startswith("<think>"):
+        return None
+    if "</think>" not in content:
+        return None
+    head, answer = content.split("</think>", 1)
+    return head.split("<think>", 1)[1].strip("\n"), answer
 
 
 def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -> list[tuple[int, int, _Field]]:
@@ -165,7 +194,7 @@ def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -
     for f in fields:
         at = probe.find(f.mark)
         if at < 0:
-            if f.kind in ("reasoning", "tool_call", "content"):
+            if f.kind in ("reasoning", "tool_call", "content") and not f.inline:
                 unfaithful.append(f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}")
             continue
         first = True
@@ -184,19 +213,23 @@ def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -
             raise _misaligned()
         pos += len(pieces[k])
         after = pieces[k + 1] if k + 1 < len(placed) else tail
-        length = _rendered_length(full, pos, f.value, after, k + 1 == len(placed))
+        length = _rendered_length(full, pos, f.values, after, k + 1 == len(placed))
         if first:
             spans.append((pos, pos + length, f))
         pos += length
     if full[pos:] != tail:
         raise _misaligned()
+    for f in fields:  # an inline think block the template neither splits off nor keeps in the content
+        if f.inline and f.mark not in probe and not any(g.message == f.message and f.values[0] in full[s:e]
+                                                         for s, e, g in spans):
+            unfaithful.append(f"the template does not render the reasoning of assistant turn {f.message}")
     return spans
 
 
-def _rendered_length(full: str, pos: int, value: str, after: str, last: bool) -> int:
-    """How much of `full` from `pos` is the field: its value as given or trimmed, followed by `after`."""
-    candidates = sorted({value, value.strip(), value.lstrip(), value.rstrip(), value.strip("\n"), value.lstrip("\n"),
-                         value.rstrip("\n")}, key=len, reverse=True)
+def _rendered_length(full: str, pos: int, values: tuple[str, ...], after: str, last: bool) -> int:
+    """How much of `full` from `pos` is the field: a value as given or trimmed, followed by `after`."""
+    candidates = sorted({c for v in values for c in (v, v.strip(), v.lstrip(), v.rstrip(), v.strip("\n"), v.lstrip("\n"),
+                                                      v.rstrip("\n"))}, key=len, reverse=True)
     for c in candidates:
         end = pos + len(c)
         if full.startswith(c, pos) and full.startswith(after, end) and (not last or end + len(after) == len(full)):
