@@ -99,7 +99,7 @@ def _message(turn: dict, name: str, role_key: str, content_key: str) -> dict:
     role = ROLES[raw_role]
     if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the value is the call itself
         call = _json_value(turn.get(content_key), f"{name}.{content_key}")
-        return {"role": "assistant", "tool_calls": [_tool_call(call, f"{name}.{content_key}")]}
+        return {"role": "assistant", "content": None, "tool_calls": [_tool_call(call, f"{name}.{content_key}")]}
     message: dict = {"role": role}
     reasoning = _reasoning(turn, name) if role == "assistant" else None
     tool_calls = turn.get("tool_calls") if role == "assistant" else None
