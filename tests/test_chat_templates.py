@@ -32,10 +32,10 @@ class Family:
     bos: str | None = None
 
 
+QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+QWEN_PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 FAMILIES = {
-    "qwen3": Family("qwen3-4b-thinking-2507.jinja", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-                    ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
-                    "<|im_end|>"),
+    "qwen3": Family("qwen3-4b-thinking-2507.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
     "gpt-oss": Family("gpt-oss-20b.jinja", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
                       "<|call|>", "<|constrain|>", "<|startoftext|>", "<|endoftext|>"], [], "<|return|>", "<|startoftext|>"),
     "llama3.1": Family("llama-3.1-instruct.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -44,6 +44,12 @@ FAMILIES = {
                                   "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
     "deepseek-v3.1": Family("deepseek-v3.1.jinja", DEEPSEEK_TOKENS, ["<think>", "</think>"],
                             "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "qwq": Family("qwq-32b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
+    "qwen2.5": Family("qwen2.5-7b-instruct.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
+    "qwen3-hybrid": Family("qwen3-0.6b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
+    "gemma2": Family("gemma-2-2b-it.jinja", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], [], "<eos>", "<bos>"),
+    "mistral-nemo": Family("mistral-nemo-instruct-2407.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
+                           "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
     "mistral-small-3.1": Family("mistral-small-3.1-24b-instruct-2503.jinja",
                                 ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
                                  "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
@@ -53,11 +59,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-def tool_conversation(content_key: bool) -> dict:
-    call = {"role": "assistant", "tool_calls": [{"id": "call00001", "type": "function",
-                                                 "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
-    if content_key:  # OpenAI's form; gpt-oss's template wants the key absent, DeepSeek's wants it null
-        call["content"] = None
+def tool_conversation() -> dict:
+    call = {"role": "assistant", "content": None,  # OpenAI's form
+            "tool_calls": [{"id": "call00001", "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
     return {"messages": [{"role": "user", "content": "weather?"}, call,
                          {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "sunny"},
                          {"role": "assistant", "content": "Sunny."}], "tools": TOOLS}
@@ -71,7 +76,7 @@ CASES = {
     "reasoning_content": {"messages": [{"role": "user", "content": "Q"},
                                        {"role": "assistant", "reasoning_content": "R.", "content": "A."}]},
     "thinking": {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "thinking": "R.", "content": "A."}]},
-    "tools": tool_conversation(content_key=True),
+    "tools": tool_conversation(),
     "empty": {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]},
     "parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "text", "text": "2"}]},
                            {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "2"}]}]},
@@ -83,6 +88,9 @@ CASES = {
 }
 INLINE = ["<think>\nR1.\n</think>\n\nA1", "<think>\nR2.\n</think>\n\nA2"]
 
+REFUSED = ["the template's own refusal"]
+REFUSALS = {("gemma2", "system_multi"): "System role not supported",
+            ("gemma2", "tools"): "Conversation roles must alternate"}
 QWEN_CLOSE = "\n</think>\n\n"  # the generation prompt opens the think block; the model closes it
 GPT_FINAL = "<|channel|>final<|message|>"
 EOS_DS = "<｜end▁of▁sentence｜>"
@@ -147,6 +155,62 @@ EXPECTED = {
         "trailing_user": ["A1" + EOS_DS],
         "inline_think": ["\n\nA1" + EOS_DS, "\n\nA2" + EOS_DS],
     },
+    "qwq": {  # the generation prompt opens <think>, which the model does not generate and past turns lack
+        "single": ["Hello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", "A2<|im_end|>"],
+        "reasoning_content": ["A.<|im_end|>"],
+        "thinking": ["A.<|im_end|>"],
+        "tools": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>', "Sunny.<|im_end|>"],
+        "empty": ["<|im_end|>"],
+        "parts": ["A2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+        "inline_think": ["A1<|im_end|>", "R2." + QWEN_CLOSE + "A2<|im_end|>"],
+    },
+    "qwen2.5": {
+        "single": ["Hello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", "A2<|im_end|>"],
+        "reasoning_content": ["A.<|im_end|>"],
+        "thinking": ["A.<|im_end|>"],
+        "tools": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>', "Sunny.<|im_end|>"],
+        "empty": ["<|im_end|>"],
+        "parts": ["A2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+        "inline_think": [INLINE[0] + "<|im_end|>", INLINE[1] + "<|im_end|>"],
+    },
+    "qwen3-hybrid": {  # the last turn gets a think block (empty without reasoning) the model generates
+        "single": ["<think>\n\n</think>\n\nHello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", "<think>\n\n</think>\n\nA2<|im_end|>"],
+        "reasoning_content": ["<think>\nR.\n</think>\n\nA.<|im_end|>"],
+        "thinking": ["<think>\nR.\n</think>\n\nA.<|im_end|>"],
+        "tools": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                  "<think>\n\n</think>\n\nSunny.<|im_end|>"],
+        "empty": ["<think>\n\n</think>\n\n<|im_end|>"],
+        "parts": ["<think>\n\n</think>\n\nA2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+        "inline_think": ["A1<|im_end|>", "<think>\nR2.\n</think>\n\nA2<|im_end|>"],
+    },
+    "gemma2": {
+        "single": ["Hello there.<end_of_turn>"],
+        "system_multi": REFUSED,
+        "reasoning_content": ["A.<end_of_turn>"],
+        "thinking": ["A.<end_of_turn>"],
+        "tools": REFUSED,
+        "empty": ["<end_of_turn>"],
+        "parts": ["A2<end_of_turn>"],
+        "trailing_user": ["A1<end_of_turn>"],
+        "inline_think": [INLINE[0] + "<end_of_turn>", INLINE[1] + "<end_of_turn>"],
+    },
+    "mistral-nemo": {  # the system prompt goes into the last user turn; the first content token is generated
+        "single": ["Hello there.</s>"],
+        "system_multi": ["A1</s>", "A2</s>"],
+        "reasoning_content": ["A.</s>"],
+        "thinking": ["A.</s>"],
+        "tools": ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>', "Sunny.</s>"],
+        "empty": ["</s>"],
+        "parts": ["A2</s>"],
+        "trailing_user": ["A1</s>"],
+        "inline_think": [INLINE[0] + "</s>", INLINE[1] + "</s>"],
+    },
     "mistral-small-3.1": {
         "single": ["Hello there.</s>"],
         "system_multi": ["A1</s>", "A2</s>"],
@@ -182,6 +246,20 @@ UNFAITHFUL = {
                                               "the prompt of assistant turn 3 is not a prefix of the conversation"],
     ("deepseek-v3.1", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
                                         "the template does not render the reasoning of assistant turn 3"],
+    **{("qwq", case): ["the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for case in ("single", "empty", "parts", "trailing_user")},
+    **{("qwq", case): ["the template does not render the reasoning of assistant turn 1",
+                       "the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for case in ("reasoning_content", "thinking", "inline_think")},
+    ("qwq", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
+                              "the prompt of assistant turn 4 is not a prefix of the conversation"],
+    ("qwq", "tools"): ["the prompt of assistant turn 1 is not a prefix of the conversation",
+                       "the prompt of assistant turn 3 is not a prefix of the conversation"],
+    **{(family, case): ["the template does not render the reasoning of assistant turn 1"]
+       for family in ("qwen2.5", "gemma2", "mistral-nemo") for case in ("reasoning_content", "thinking")},
+    ("qwen3-hybrid", "inline_think"): ["the template does not render the reasoning of assistant turn 1"],
+    ("mistral-nemo", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
+                                       "the prompt of assistant turn 4 is not a prefix of the conversation"],
 }
 
 
@@ -219,8 +297,11 @@ def encode(tokenizer, record: dict, **kwargs):
 @pytest.mark.parametrize("case", list(CASES))
 def test_mask_of_every_case(family, case):
     name, tokenizer = family
-    record = tool_conversation(content_key=False) if (name, case) == ("gpt-oss", "tools") else CASES[case]
-    messages, tools, encoded = encode(tokenizer, record)
+    if EXPECTED[name][case] is REFUSED:
+        with pytest.raises(DFlashCacheError, match=REFUSALS[name, case]):
+            encode(tokenizer, CASES[case])
+        return
+    messages, tools, encoded = encode(tokenizer, CASES[case])
     assert encoded.input_ids == list(tokenizer.apply_chat_template(messages, tools=tools)["input_ids"])
     assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == EXPECTED[name][case]
     assert encoded.unfaithful == UNFAITHFUL.get((name, case), [])
@@ -228,19 +309,16 @@ def test_mask_of_every_case(family, case):
 
 def test_templates_own_refusals_stay_errors():
     llama = family_tokenizer(FAMILIES["llama3.1"])
-    two_calls = tool_conversation(content_key=True)
+    two_calls = tool_conversation()
     two_calls["messages"][1]["tool_calls"] *= 2
     with pytest.raises(DFlashCacheError, match="chat template failed on this conversation: This model only supports "
                                                "single tool-calls at once!"):
         encode(llama, two_calls)
-    gpt_oss = family_tokenizer(FAMILIES["gpt-oss"])
-    with pytest.raises(DFlashCacheError, match="chat template failed on this conversation: argument of type 'NoneType'"):
-        encode(gpt_oss, tool_conversation(content_key=True))
 
 
 def test_mask_kinds():
     qwen = family_tokenizer(FAMILIES["qwen3"])
-    conversation = tool_conversation(content_key=True)
+    conversation = tool_conversation()
     conversation["messages"][-1]["reasoning_content"] = "It is sunny."
     _, _, encoded = encode(qwen, conversation)
     by_kind = {kind: qwen.decode([t for t, k in zip(encoded.input_ids, encoded.kinds) if k == 1 + i])

@@ -17,9 +17,10 @@ number of renders whatever the number of turns:
    pieces gives where each field's text lies in it (the field as given, or trimmed: templates `trim`).
    A stand-in missing from the probe is a field the template does not render (Qwen3 drops the
    reasoning of earlier turns, DeepSeek-R1-Distill of every turn): reported as unfaithful.
-2. a turn starts after the last copy of the generation prompt in the template text before its first
-   field; where that text does not hold it (templates that render past turns unlike a new one), at
-   its first field.
+2. a turn starts after the last copy of the generation prompt that starts before its first field;
+   where there is none, after the longest part of the prompt that ends a line or a special token
+   (past turns rendered without the think block the prompt opens); with no generation prompt at all
+   (Mistral), after the user turn's closing text; failing all, at its first field.
 3. a turn ends after the first end-of-turn token in the template text after its last field. The
    generation prompt and the end-of-turn tokens are read once per template from renderings of a
    one-word conversation (the last special token closing a final turn, the first one closing a past
@@ -307,8 +308,8 @@ def _specials_in(text: str, specials: list[str]) -> list[str]:
 
 
 def _turn_start(full: str, before: int, first: int, openers: tuple[str, ...]) -> int:
-    for opener in openers:
-        at = full.rfind(opener, before, first)
+    for opener in openers:  # it may run into the first field: a content that opens with the prompt's <think>
+        at = full.rfind(opener, before, first + len(opener))
         if at >= 0:
             return at + len(opener)
     return first
