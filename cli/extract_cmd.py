@@ -25,7 +25,12 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
-@click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, help="Processes for tokenizing conversations (0: in the main process).")
+@click.option("--tokenize-workers", type=click.IntRange(min=0),
+              help="Processes tokenizing the data (0 or 1: the main process). Default: one per CPU core.")
+@click.option("--tokenized-dir", type=click.Path(path_type=Path),
+              help="Where the tokenized data is kept, to be reused by resumed and later extractions of the same data, "
+                   "tokenizer and --max-length (an Arrow file that --data also reads). Default: "
+                   "$DFLASH_CACHE_TOKENIZED_DIR, else ~/.cache/dflash-cache/tokenized.")
 @click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True,
               help="A malformed line, a record with nothing to train on or a chat-template error: stop naming file:line, or skip it (counted, and listed with file:line and reason in the manifest).")
 @click.option("--chat-template-kwargs", "chat_template_kwargs", metavar="JSON",
@@ -33,7 +38,7 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--strict-template", is_flag=True, help="A conversation the chat template does not render as the data has it (reasoning or tool calls dropped, prompts that are not prefixes) is a bad record, not a warning.")
 @click.option("--max-record-bytes", type=click.IntRange(min=1), help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.")
 def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers,
-            on_bad_record, chat_template_kwargs, strict_template, max_record_bytes):
+            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -51,9 +56,32 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
         on_bad_record=on_bad_record, chat_template_kwargs=template_kwargs, strict_template=strict_template,
         max_record_bytes=max_record_bytes,
+        tokenized_dir=tokenized_dir,
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
+    terminal = sys.stderr.isatty()
+
+    def on_tokenize(samples: int, tokens: int) -> None:
+        nonlocal bar, log
+        if bar is None and log is None:
+            click.echo("tokenizing the data (kept for later runs)", err=True)
+            if terminal:
+                bar = tqdm(unit="sample", desc="tokenize", dynamic_ncols=True)
+            else:
+                log = ProgressLog("tokenize", None, None, lambda line: click.echo(line, err=True), writes=False).start()
+        if bar is not None:
+            bar.update(samples)
+        else:
+            log.update(samples, tokens)
+
+    def close_progress() -> None:
+        nonlocal bar, log
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+        bar = log = None
 
     def on_data(loaded) -> None:
         if loaded.bad_records:
@@ -68,10 +96,11 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
 
     def on_plan(samples: int, tokens: int) -> None:
         nonlocal bar, log
+        close_progress()  # tokenizing is over
         if not samples:
             return
         click.echo(f"to extract: {samples} samples, {tokens} tokens", err=True)
-        if sys.stderr.isatty():
+        if terminal:
             bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
         else:  # a log file: tqdm would print nothing
             log = ProgressLog("extract", samples, tokens, lambda line: click.echo(line, err=True)).start()
@@ -87,10 +116,9 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
     try:
-        summary = extract(opts, on_progress, on_plan, on_data)
+        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize)
     finally:
-        if log is not None:
-            log.close()
+        close_progress()
     if bar is not None:
         bar.close()
     if summary.already_complete:

@@ -15,12 +15,13 @@ def duration(seconds: float) -> str:
 
 
 class ProgressLog:
-    """Counts samples, tokens and bytes written against the totals; `start()` begins the lines,
-    `close()` prints the last one."""
+    """Counts samples, tokens and bytes written against the totals (None: not known, no ETA);
+    `start()` begins the lines, `close()` prints the last one. `writes`: whether bytes are shown."""
 
-    def __init__(self, what: str, total_samples: int, total_tokens: int, echo: Callable[[str], None],
-                 every_s: float = 30.0):
+    def __init__(self, what: str, total_samples: int | None, total_tokens: int | None, echo: Callable[[str], None],
+                 every_s: float = 30.0, writes: bool = True):
         self.what = what
+        self.writes = writes
         self.total_samples = total_samples
         self.total_tokens = total_tokens
         self.echo = echo
@@ -42,9 +43,14 @@ class ProgressLog:
             samples, tokens, written = self.samples, self.tokens, self.bytes
         elapsed = max(time.monotonic() - self._started, 1e-9)
         rate = tokens / elapsed
-        eta = duration((self.total_tokens - tokens) / rate) if rate > 0 else "unknown"
-        return (f"{self.what}: {samples:,}/{self.total_samples:,} samples, {rate:,.0f} tokens/s, "
-                f"{written / 1e9:.2f} GB written, {duration(elapsed)} elapsed, ETA {eta}")
+        total = "" if self.total_samples is None else f"/{self.total_samples:,}"
+        parts = [f"{self.what}: {samples:,}{total} samples", f"{rate:,.0f} tokens/s"]
+        if self.writes:
+            parts.append(f"{written / 1e9:.2f} GB written")
+        parts.append(f"{duration(elapsed)} elapsed")
+        if self.total_tokens is not None:
+            parts.append(f"ETA {duration((self.total_tokens - tokens) / rate) if rate > 0 else 'unknown'}")
+        return ", ".join(parts)
 
     def start(self) -> ProgressLog:
         self._started = time.monotonic()

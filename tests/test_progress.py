@@ -20,3 +20,11 @@ def test_lines_come_on_a_timer_even_without_updates_and_once_at_close():
 
 def test_duration():
     assert duration(0) == "0:00:00" and duration(3725.9) == "1:02:05" and duration(90000) == "25:00:00"
+
+
+def test_without_totals_there_is_no_eta_and_without_writes_no_bytes():
+    lines = []
+    log = ProgressLog("tokenize", None, None, echo=lines.append, writes=False).start()
+    log.update(samples=1234, tokens=56789)
+    log.close()
+    assert re.fullmatch(r"tokenize: 1,234 samples, [\d,]+ tokens/s, 0:00:00 elapsed", lines[-1]), lines[-1]

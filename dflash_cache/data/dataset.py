@@ -99,21 +99,35 @@ def load_samples(
     `workers` > 1 tokenizes in that many processes; the result is identical to `workers=0`
     (records are handed out in chunks and collected in order).
     """
+    paths, options = checked_inputs(paths, max_length, options, on_bad_record)
+    data = LoadedData([], 0, hash_files(paths))
+    for kept in stream_samples(data, paths, tokenizer, options, workers, on_bad_record):
+        data.samples.extend(kept)
+    return data
+
+
+def checked_inputs(paths: Sequence[str | Path], max_length: int, options: EncodeOptions | None,
+                   on_bad_record: str) -> tuple[list[Path], EncodeOptions]:
     if not paths:
         raise DFlashCacheError("no data files given")
     if max_length < 1:
         raise DFlashCacheError(f"max length must be at least 1, got {max_length}")
     if on_bad_record not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
-    options = replace(options or EncodeOptions(max_length), max_length=max_length)
-    paths = [Path(p) for p in paths]
-    source_hash = hash_files(paths)
+    return [Path(p) for p in paths], replace(options or EncodeOptions(max_length), max_length=max_length)
+
+
+def stream_samples(data: LoadedData, paths: Sequence[Path], tokenizer, options: EncodeOptions, workers: int,
+                   on_bad_record: str) -> Iterator[list[Sample]]:
+    """The samples kept from `paths`, chunk by chunk in order; what is left out or found on the way
+    (bad records, untrainable samples, truncation, unfaithful renderings, masked kinds) goes to
+    `data`'s report fields as it streams (its `samples` are left alone)."""
     vocab_size = len(tokenizer)
     records = _all_records(paths, on_bad_record == "skip", options.record_bytes())
-    data = LoadedData([], 0, source_hash)
     masked = np.zeros(len(KINDS), dtype=np.int64)
     sample_id = 0
     for chunk in _encode_chunks(_chunks(records, CHUNK_RECORDS), tokenizer, vocab_size, options, workers):
+        kept = []
         for where, result in chunk:
             sid, sample_id = sample_id, sample_id + 1
             if isinstance(result, str):
@@ -130,9 +144,9 @@ def load_samples(
                 continue
             data.num_truncated += result.truncated
             masked += result.masked
-            data.samples.append(Sample(sid, result.input_ids, result.loss_mask))
-    data.masked_tokens = dict(zip(KINDS, masked.tolist()))
-    return data
+            kept.append(Sample(sid, result.input_ids, result.loss_mask))
+        data.masked_tokens = dict(zip(KINDS, masked.tolist()))
+        yield kept
 
 
 def hash_files(paths: Sequence[Path]) -> str:

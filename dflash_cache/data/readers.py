@@ -36,6 +36,7 @@ from dflash_cache.errors import DFlashCacheError, first_line
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"
 PARQUET_MAGIC = b"PAR1"
+PARQUET_BATCH_ROWS = 1024  # pyarrow's default, 65,536 rows of ~2,600 tokens, is 1.4 GB held at once
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 READ_BLOCK = 1 << 20
@@ -230,7 +231,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
-    yield from _read_batches(_guard(file.iter_batches(columns=columns), path), path)
+    yield from _read_batches(_guard(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path)
 
 
 def _read_arrow(path: Path) -> Iterator[Record]:

@@ -23,12 +23,13 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
-from dflash_cache.data.dataset import EncodeOptions, LoadedData, load_samples
+from dflash_cache.data.dataset import EncodeOptions, LoadedData
 from dflash_cache.data.readers import check_data_file
+from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.data.plan import plan_batches, shard_for_rank
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
-from dflash_cache.extract.spec import make_spec
+from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
@@ -56,7 +57,8 @@ class ExtractOptions:
     on_bad_sample: str = "error"
     max_shard_bytes: int = 512 << 20
     compress_threads: int | None = None
-    tokenize_workers: int = 0
+    tokenize_workers: int | None = None  # tokenizer processes; None: one per core, 0 or 1: the main process
+    tokenized_dir: Path | None = None  # where tokenized data is kept and reused (None: data.tokenized default)
     on_bad_record: str = "error"  # a record that cannot be used: stop naming file:line, or skip and list it
     chat_template_kwargs: dict | None = None  # extra chat-template options (enable_thinking...), part of the spec
     strict_template: bool = False  # a template that does not render a conversation faithfully is a bad record
@@ -136,9 +138,12 @@ def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
 
 
 def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None, on_plan: Callable[[int, int], None] = lambda samples, tokens: None,
-            on_data: Callable[[LoadedData], None] = lambda data: None) -> ExtractSummary:
+            on_data: Callable[[LoadedData], None] = lambda data: None,
+            on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
     """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens)`
-    is called once with the work left to do, `on_data` once with the loaded data (to report it)."""
+    is called once with the work left to do, `on_data` once with the loaded data (to report it),
+    `on_tokenize(samples, tokens)` as data is tokenized (not at all when the tokenized data is kept
+    from an earlier run)."""
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
@@ -161,13 +166,13 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
         encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
-        data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers,
-                            options=encoding, on_bad_record=opts.on_bad_record)
-        on_data(data)
-        if not data.samples:
+        data = tokenized_data(opts.data, tokenizer, opts.max_length, tokenizer_hash(Path(opts.target)), opts.tokenized_dir,
+                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize)
+        on_data(data.info)
+        if not len(data.sample_ids):
             raise DFlashCacheError(
-                f"the data files hold no samples with tokens to train on ({len(data.bad_records)} bad records, "
-                f"{len(data.untrainable)} with no assistant token within --max-length {opts.max_length})"
+                f"the data files hold no samples with tokens to train on ({len(data.info.bad_records)} bad records, "
+                f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
             )
         spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk)
         if opts.chat_template_kwargs:
@@ -185,11 +190,10 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         else:
             _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
         done = state.done_sample_ids()
-        all_ids = [s.sample_id for s in data.samples]
-        batches = plan_batches(all_ids, data.lengths(), opts.token_budget, seed=None)
-        by_id = {s.sample_id: s for s in data.samples}
-        left = [s for s in data.samples if s.sample_id not in done]
-        on_plan(len(left), sum(len(s.input_ids) for s in left))
+        all_ids = data.sample_ids.tolist()
+        batches = plan_batches(all_ids, data.lengths, opts.token_budget, seed=None)
+        left = [i for i, sid in enumerate(all_ids) if sid not in done]
+        on_plan(len(left), int(data.lengths[left].sum()))
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
         for rank, device in zip(rank_ids, devices):
@@ -197,7 +201,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             jobs.append(
                 RankJob(
                     root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, batches=mine,
-                    samples={sid: by_id[sid] for batch in mine for sid in batch},
+                    samples=data.samples(sid for batch in mine for sid in batch),  # read when the rank needs them
                     done={sid for batch in mine for sid in batch if sid in done},
                     first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
@@ -207,7 +211,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, all_ids, data.report())
+        manifest = _finalise(store, all_ids, data.info.report())
     finally:
         for lock in locks:
             lock.release()
@@ -216,11 +220,11 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         tokens=sum(s.tokens for s in summaries),
         bytes=sum(s.bytes for s in summaries),
         wall_s=time.perf_counter() - started,
-        truncated=data.num_truncated,
+        truncated=data.info.num_truncated,
         skipped=sum(len(s.skipped) for s in summaries),
         ranks=summaries,
-        bad_records=len(data.bad_records),
-        untrainable=len(data.untrainable),
+        bad_records=len(data.info.bad_records),
+        untrainable=len(data.info.untrainable),
         already_complete=not left,
         manifest=manifest,
     )
