@@ -44,6 +44,7 @@ FAMILIES = {
                                   "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
     "deepseek-v3.1": Family("deepseek-v3.1.jinja", DEEPSEEK_TOKENS, ["<think>", "</think>"],
                             "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "qwen3.5": Family("qwen3.5-4b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
     "qwq": Family("qwq-32b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
     "qwen2.5": Family("qwen2.5-7b-instruct.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
     "qwen3-hybrid": Family("qwen3-0.6b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
@@ -155,6 +156,18 @@ EXPECTED = {
         "trailing_user": ["A1" + EOS_DS],
         "inline_think": ["\n\nA1" + EOS_DS, "\n\nA2" + EOS_DS],
     },
+    "qwen3.5": {  # the generation prompt opens the think block; turns after the last user query have one
+        "single": [QWEN_CLOSE + "Hello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", QWEN_CLOSE + "A2<|im_end|>"],
+        "reasoning_content": ["R." + QWEN_CLOSE + "A.<|im_end|>"],
+        "thinking": ["R." + QWEN_CLOSE + "A.<|im_end|>"],
+        "tools": [QWEN_CLOSE + "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                  "</tool_call><|im_end|>", QWEN_CLOSE + "Sunny.<|im_end|>"],
+        "empty": [QWEN_CLOSE + "<|im_end|>"],
+        "parts": [QWEN_CLOSE + "A2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+        "inline_think": ["R1." + QWEN_CLOSE + "A1<|im_end|>", "R2." + QWEN_CLOSE + "A2<|im_end|>"],  # kept on past turns too
+    },
     "qwq": {  # the generation prompt opens <think>, which the model does not generate and past turns lack
         "single": ["Hello there.<|im_end|>"],
         "system_multi": ["A1<|im_end|>", "A2<|im_end|>"],
@@ -257,6 +270,8 @@ UNFAITHFUL = {
                        "the prompt of assistant turn 3 is not a prefix of the conversation"],
     **{(family, case): ["the template does not render the reasoning of assistant turn 1"]
        for family in ("qwen2.5", "gemma2", "mistral-nemo") for case in ("reasoning_content", "thinking")},
+    ("qwen3.5", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation"],
+    ("qwen3.5", "trailing_user"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
     ("qwen3-hybrid", "inline_think"): ["the template does not render the reasoning of assistant turn 1"],
     ("mistral-nemo", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
                                        "the prompt of assistant turn 4 is not a prefix of the conversation"],

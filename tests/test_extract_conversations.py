@@ -1,4 +1,4 @@
-"""End to end: a hybrid qwen3_5 tiny target with the Qwen3 chat template extracts conversations
+"""End to end: a hybrid qwen3_5 tiny target with the Qwen3.5 chat template extracts conversations
 with reasoning and tool calls; bad records stop the run or are skipped and listed; `inspect` shows
 the masked tokens of each kind."""
 
@@ -18,6 +18,9 @@ from tests.tiny import target_config
 pytestmark = pytest.mark.slow
 
 TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+# Qwen3.5 writes the call as XML, after closing the (empty) think block its generation prompt opened
+CALL = ("\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n"
+        "</function>\n</tool_call>")
 GOOD = [
     {"messages": [{"role": "user", "content": "What is 2 plus 3?"},
                   {"role": "assistant", "reasoning_content": "The sum of two and three.", "content": "It is 5."}]},
@@ -33,7 +36,7 @@ GOOD = [
 @pytest.fixture(scope="module")
 def qwen3_5_target(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hybrid") / "target"
-    tokenizer = family_tokenizer(FAMILIES["qwen3"])
+    tokenizer = family_tokenizer(FAMILIES["qwen3.5"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(target_config("qwen3_5", len(tokenizer)))
     directory.mkdir(parents=True)
@@ -69,19 +72,18 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
     report = cache.manifest["extract"]
     assert [b["where"] for b in report["bad_records"]] == [f"{data}:2", f"{data}:4"]
     assert report["bad_records"][1]["reason"] == "the conversation has no assistant turn, so nothing to train on"
-    tokenizer = family_tokenizer(FAMILIES["qwen3"])
+    tokenizer = family_tokenizer(FAMILIES["qwen3.5"])
     sample = cache[2]
     masked = tokenizer.decode(sample.input_ids[sample.loss_mask].tolist())
-    assert masked == ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
-                      "The tool said 5.\n</think>\n\nThe answer is 5.<|im_end|>")
+    assert masked == (CALL + "<|im_end|>" + "The tool said 5.\n</think>\n\nThe answer is 5.<|im_end|>")
     # Counted by hand from the texts (each tokenizes alike alone and in place); markup is the rest.
     kinds = report["masked_tokens"]
     assert kinds["reasoning"] == count(tokenizer, "The sum of two and three.", "The tool said 5.")
     assert kinds["content"] == count(tokenizer, "It is 5.", "The answer is 5.")
-    assert kinds["tool_call"] == count(tokenizer, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
+    assert kinds["tool_call"] == count(tokenizer, CALL)  # from the end of the prompt to the end-of-turn token
     assert sum(kinds.values()) == sum(int(cache[i].loss_mask.sum()) for i in (0, 2))
     assert kinds["markup"] >= 3  # the three end-of-turn tokens at least
-    assert report["unfaithful"]["count"] == 1  # the tool-call turn: this template opens a think block it never renders there
+    assert report["unfaithful"]["count"] == 0
 
     code, stdout, _ = cli("inspect", out, "--token-budget", 512)
     assert code == 0

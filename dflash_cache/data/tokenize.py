@@ -43,7 +43,9 @@ import numpy as np
 from dflash_cache.data.messages import ToolArguments
 from dflash_cache.errors import DFlashCacheError
 
-# Mask kinds, per masked token (inspect reports counts of each).
+# Mask kinds, per masked token (inspect reports counts of each): the text of reasoning and content
+# fields; a turn's tool calls from the end of the text before the first to the end-of-turn token;
+# markup for the rest (think tags, channel headers, the end-of-turn token).
 KINDS = ("content", "reasoning", "tool_call", "markup")
 _MARK = "\ue000{}\ue001"  # private-use characters: no template trims or escapes them
 
