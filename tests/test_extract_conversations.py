@@ -107,3 +107,20 @@ def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
     assert open_cache(out).spec["chat_template_kwargs"] == {"enable_thinking": False}
     code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": true}')
     assert code == 1 and "chat_template_kwargs.enable_thinking: False -> True" in err
+
+
+def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
+    """Qwen3.5 renders a past turn without the think block its generation prompt opens."""
+    past = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                         {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+    data = write(tmp_path / "data.jsonl", [past, GOOD[0], past])
+    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4"]
+    code, _, err = cli(*args, "--out", tmp_path / "a")
+    assert code == 0, err
+    assert err.count("warning: the chat template does not render 2 conversations as the data has them") == 1
+    assert f"e.g. {data}:1: the prompt of assistant turn 1 is not a prefix of the conversation" in err
+    assert open_cache(tmp_path / "a").manifest["extract"]["unfaithful"] == {"count": 2, "examples": [
+        f"{data}:1: the prompt of assistant turn 1 is not a prefix of the conversation",
+        f"{data}:3: the prompt of assistant turn 1 is not a prefix of the conversation"]}
+    code, _, err = cli(*args, "--out", tmp_path / "b", "--strict-template")
+    assert code == 1 and f"data.jsonl:1: the chat template does not render this conversation faithfully" in err
