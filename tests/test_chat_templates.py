@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from jinja2.exceptions import UndefinedError
 from tokenizers import AddedToken
 
 from dflash_cache.data.messages import parse_conversation
@@ -51,6 +52,12 @@ FAMILIES = {
     "gemma2": Family("gemma-2-2b-it.jinja", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], [], "<eos>", "<bos>"),
     "mistral-nemo": Family("mistral-nemo-instruct-2407.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
                            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
+    "deepseek-r1-distill-llama": Family("deepseek-r1-distill-llama-8b.jinja", DEEPSEEK_TOKENS, ["<think>", "</think>"],
+                                        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "mistral-small-3.2": Family("mistral-small-3.2-24b-instruct-2506.jinja",
+                                ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
+                                 "[CALL_ID]", "[ARGS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                 "[/TOOL_RESULTS]", "[TOOL_CONTENT]"], [], "</s>", "<s>"),
     "mistral-small-3.1": Family("mistral-small-3.1-24b-instruct-2503.jinja",
                                 ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
                                  "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
@@ -224,6 +231,29 @@ EXPECTED = {
         "trailing_user": ["A1</s>"],
         "inline_think": [INLINE[0] + "</s>", INLINE[1] + "</s>"],
     },
+    "deepseek-r1-distill-llama": {
+        "single": ["Hello there." + EOS_DS],
+        "system_multi": ["A1" + EOS_DS, "A2" + EOS_DS],
+        "reasoning_content": ["A." + EOS_DS],
+        "thinking": ["A." + EOS_DS],
+        # this template closes a lone tool call with no end-of-turn token: the mask stops at its last field
+        "tools": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather", "Sunny." + EOS_DS],
+        "empty": [EOS_DS],
+        "parts": ["A2" + EOS_DS],
+        "trailing_user": ["A1" + EOS_DS],
+        "inline_think": ["\n\nA1" + EOS_DS, "\n\nA2" + EOS_DS],
+    },
+    "mistral-small-3.2": {
+        "single": ["Hello there.</s>"],
+        "system_multi": ["A1</s>", "A2</s>"],
+        "reasoning_content": ["A.</s>"],
+        "thinking": ["A.</s>"],
+        "tools": ['[TOOL_CALLS]get_weather[CALL_ID]call00001[ARGS]{"city": "Paris"}</s>', "Sunny.</s>"],
+        "empty": ["</s>"],
+        "parts": ["A2</s>"],
+        "trailing_user": ["A1</s>"],
+        "inline_think": [INLINE[0] + "</s>", INLINE[1] + "</s>"],
+    },
     "mistral-small-3.1": {
         "single": ["Hello there.</s>"],
         "system_multi": ["A1</s>", "A2</s>"],
@@ -237,20 +267,28 @@ EXPECTED = {
     },
 }
 # What each template does not render as the data has it, by hand from the template text.
+R1 = ("deepseek-r1-distill", "deepseek-r1-distill-llama")
 UNFAITHFUL = {
     ("qwen3", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation"],  # no think block on past turns
     ("qwen3", "tools"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
     ("qwen3", "trailing_user"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
     **{(family, case): ["the template does not render the reasoning of assistant turn 1"]
-       for family in ("llama3.1", "deepseek-v3.1", "mistral-small-3.1") for case in ("reasoning_content", "thinking")},
-    # R1-Distill: the generation prompt opens a think block no rendered turn has, and reasoning is dropped
-    **{("deepseek-r1-distill", case): ["the prompt of assistant turn 1 is not a prefix of the conversation"]
-       for case in ("single", "tools", "empty", "parts", "trailing_user")},
-    **{("deepseek-r1-distill", case): ["the template does not render the reasoning of assistant turn 1",
-                                       "the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for family in ("llama3.1", "deepseek-v3.1", "mistral-small-3.1", "mistral-small-3.2")
        for case in ("reasoning_content", "thinking")},
-    ("deepseek-r1-distill", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
-                                              "the prompt of assistant turn 4 is not a prefix of the conversation"],
+    # R1-Distill: the generation prompt opens a think block no rendered turn has, and reasoning is dropped
+    **{(r1, case): ["the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for r1 in R1 for case in ("single", "tools", "empty", "parts", "trailing_user")},
+    **{(r1, case): ["the template does not render the reasoning of assistant turn 1",
+                    "the prompt of assistant turn 1 is not a prefix of the conversation"]
+       for r1 in R1 for case in ("reasoning_content", "thinking")},
+    **{(r1, "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation",
+                              "the prompt of assistant turn 4 is not a prefix of the conversation"] for r1 in R1},
+    ("deepseek-r1-distill-llama", "tools"): ["assistant turn 1 has no end-of-turn token",
+                                             "the prompt of assistant turn 1 is not a prefix of the conversation"],
+    ("deepseek-r1-distill-llama", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
+                                                    "the template does not render the reasoning of assistant turn 3",
+                                                    "the prompt of assistant turn 1 is not a prefix of the conversation",
+                                                    "the prompt of assistant turn 3 is not a prefix of the conversation"],
     ("qwen3", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
                                 "the prompt of assistant turn 1 is not a prefix of the conversation"],
     ("deepseek-r1-distill", "inline_think"): ["the template does not render the reasoning of assistant turn 1",
@@ -317,7 +355,11 @@ def test_mask_of_every_case(family, case):
             encode(tokenizer, CASES[case])
         return
     messages, tools, encoded = encode(tokenizer, CASES[case])
-    assert encoded.input_ids == list(tokenizer.apply_chat_template(messages, tools=tools)["input_ids"])
+    try:
+        reference = tokenizer.apply_chat_template(messages, tools=tools)["input_ids"]
+    except (TypeError, UndefinedError):  # templates that refuse a null content get "" (gpt-oss, QwQ)
+        reference = tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages], tools=tools)["input_ids"]
+    assert encoded.input_ids == list(reference)
     assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == EXPECTED[name][case]
     assert encoded.unfaithful == UNFAITHFUL.get((name, case), [])
 

@@ -230,13 +230,13 @@ def test_message_fields(tmp_path):
     (record,) = read_records(path)
     system, user, call, result, flat, last = record.messages
     assert system == {"role": "system", "content": "Be brief."}
-    assert call["content"] == "" and call["reasoning_content"] == call["thinking"] == "Add."
+    assert call["content"] is None and call["reasoning_content"] == call["thinking"] == "Add."
     (c,) = call["tool_calls"]
     assert c["id"] == "c1" and c["type"] == "function" and c["function"]["name"] == "add"
     assert c["function"]["arguments"] == {"a": 2, "b": 3} and str(c["function"]["arguments"]) == '{"a": 2,"b": 3}'
     assert "text " + c["function"]["arguments"] == 'text {"a": 2,"b": 3}'  # as DeepSeek's template concatenates it
     assert result == {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"}
-    assert flat["content"] == "" and flat["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
+    assert flat["content"] is None and flat["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
     assert str(flat["tool_calls"][0]["function"]["arguments"]) == '{"a": 1}'
     assert last == {"role": "assistant", "content": "5", "reasoning_content": "r", "thinking": "r"}
     assert record.tools == tools

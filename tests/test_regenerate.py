@@ -280,5 +280,5 @@ def test_requests_carry_tool_call_arguments_as_json_text(tmp_path):
         {"role": "assistant", "content": "1"}]}) + "\n")
     (job,) = read_jobs([path])
     sent = _json.loads(_json.dumps(request_messages(job.messages[:3])))
-    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [
+    assert sent[1] == {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}

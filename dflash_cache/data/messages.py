@@ -8,8 +8,8 @@ and the same optional fields):
   "arguments"}` as JSON).
 - `content`: a string, or a list of parts `[{"type": "text", "text": ...}]` joined without a
   separator (as templates that read parts render them); any other part is an error. `null` or absent
-  only on an assistant message that has reasoning or tool calls, read as "" (what every fixture
-  template takes: gpt-oss's refuses null, QwQ's and Qwen3's first ones refuse null and absent).
+  only on an assistant message that has reasoning (read as "") or tool calls (read as null, which
+  DeepSeek's templates need; tokenize.py hands "" to templates that refuse null: gpt-oss, QwQ).
 - `reasoning_content`, `reasoning` or `thinking` (assistant): the reasoning, handed to the template
   under both names templates read (`reasoning_content`: Qwen, DeepSeek; `thinking`: gpt-oss).
 - `tool_calls` (assistant): OpenAI form `{"id", "type", "function": {"name", "arguments"}}` or flat
@@ -99,7 +99,7 @@ def _message(turn: dict, name: str, role_key: str, content_key: str) -> dict:
     role = ROLES[raw_role]
     if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the value is the call itself
         call = _json_value(turn.get(content_key), f"{name}.{content_key}")
-        return {"role": "assistant", "content": "", "tool_calls": [_tool_call(call, f"{name}.{content_key}")]}
+        return {"role": "assistant", "content": None, "tool_calls": [_tool_call(call, f"{name}.{content_key}")]}
     message: dict = {"role": role}
     reasoning = _reasoning(turn, name) if role == "assistant" else None
     tool_calls = turn.get("tool_calls") if role == "assistant" else None
@@ -108,9 +108,10 @@ def _message(turn: dict, name: str, role_key: str, content_key: str) -> dict:
             raise DFlashCacheError(f"{name}.tool_calls must be a list, found {show(tool_calls)}")
         tool_calls = [_tool_call(call, f"{name}.tool_calls[{j}]") for j, call in enumerate(tool_calls)]
     content = turn.get(content_key)
-    if content is None and (reasoning is not None or tool_calls):
-        content = ""
-    message["content"] = _content(content, f"{name}.{content_key}")
+    if content is None and tool_calls:
+        message["content"] = None
+    else:
+        message["content"] = _content("" if content is None and reasoning is not None else content, f"{name}.{content_key}")
     if reasoning is not None:
         message["reasoning_content"] = message["thinking"] = reasoning
     if tool_calls:

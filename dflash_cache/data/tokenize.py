@@ -94,7 +94,14 @@ def encode_conversation(
         )
     kwargs = dict(template_kwargs or {})
     render = lambda msgs, prompt=False: _render(tokenizer, msgs, tools, kwargs, prompt)  # noqa: E731
-    full = render(messages)
+    try:
+        full = render(messages)
+    except DFlashCacheError:
+        if not any(m.get("content", "") is None for m in messages):
+            raise
+        # A null content beside tool calls, to a template that cannot take null (gpt-oss, QwQ): "".
+        messages = [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
+        full = render(messages)
     unfaithful: list[str] = []
     fields, probe_messages = _probe(messages, split_inline=True)
     try:
@@ -118,6 +125,8 @@ def encode_conversation(
         after = min((s for s, e, f in spans if f.message != i and s >= mine[-1][1]), default=len(full))
         start = _turn_start(full, before, mine[0][0], template.turn_openers)
         eot, end = _turn_end(full, mine[-1][1], after, template.end_of_turn)
+        if eot == end:  # the mask then ends with the turn's last field
+            unfaithful.append(f"assistant turn {i} has no end-of-turn token")
         turns.append((start, eot, end, mine))
     for i in sorted({assistant[0], assistant[-1]} if assistant else ()):
         if i > 0 and not full.startswith(render(messages[:i], True)):
