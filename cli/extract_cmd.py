@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from dflash_cache.choices import CODECS
 from dflash_cache.progress import ProgressLog
-from dflash_cache_cli.options import INT_LIST
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 
 @click.command("extract")
@@ -16,7 +16,7 @@ from dflash_cache_cli.options import INT_LIST
               help="Conversations JSONL ({'messages': [...]} or ShareGPT {'conversations': [...]}), or pre-tokenized Parquet/Arrow/JSONL with input_ids (and loss_mask). Repeatable.")
 @click.option("--out", required=True, help="Cache directory to create, or to resume; or an fsspec URL (s3://bucket/prefix, gs://...).")
 @click.option("--layers", type=INT_LIST, help="Target layer indices to capture, e.g. 1,16,31,46,61 (0-based; layer i's output).")
-@click.option("--num-draft-layers", type=int, help="Capture N layers spread evenly from 1 to num_layers-3 (the reference DFlash rule). Default 5 when --layers is not given.")
+@click.option("--num-draft-layers", type=int, help=LAYER_RULE)
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.")
 @click.option("--gpus", type=INT_LIST, help="GPUs to use, one process each, e.g. 0-4. Default: every visible GPU; the CPU when there is none.")
 @click.option("--token-budget", type=int, default=49152, show_default=True, help="Tokens (with padding) per target forward.")
@@ -45,8 +45,6 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     """
     from dflash_cache.extract.pipeline import ExtractOptions, extract
 
-    if layers is None and num_draft_layers is None:
-        num_draft_layers = 5
     if shard_size <= 0:
         raise click.BadParameter("must be positive", param_hint="--shard-size")
     template_kwargs = _json_object(chat_template_kwargs)

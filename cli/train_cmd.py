@@ -1,5 +1,5 @@
 import click
-from dflash_cache_cli.options import INT_LIST
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
@@ -18,8 +18,7 @@ from dflash_cache.train.config import TrainConfig
 @click.option("--layers", type=INT_LIST,
               help="With --live-target: target layers to feed the drafter, e.g. 1,16,31,46,61 (as for extract).")
 @click.option("--num-draft-layers", type=int,
-              help="With --live-target: N layers spread evenly from 1 to num_layers-3. Default 5 when --layers is "
-                   "not given.")
+              help="With --live-target: " + LAYER_RULE)
 @click.option("--target-gpus", type=INT_LIST,
               help="With --live-target: the GPU of each training rank's own copy of the target, in --gpus order "
                    "(--target-gpus 0 --gpus 1: target on GPU 0 feeding the drafter on GPU 1). Default: each rank's "
@@ -89,8 +88,6 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
     checkpoint into the reference layout. Weights are fp32 and the step runs under bf16 autocast.
     """
-    if live_target is not None and layers is None and num_draft_layers is None:
-        num_draft_layers = 5
     config = TrainConfig(
         caches=list(caches), live_target=live_target, data=list(data), layers=layers,
         num_draft_layers=num_draft_layers, target_gpus=target_gpus, max_length=max_length, exact_target=exact_target,
