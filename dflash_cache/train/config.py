@@ -20,19 +20,19 @@ class TrainConfig:
     target_gpus: list[int] | None = None  # the target's GPU for each local rank; None: each rank's own device
     max_length: int = 8192
     exact_target: bool = False  # one sample per target forward: bit-exact against a --token-budget 1 cache
-    drafter: str = "qwen3.6-27b"  # a preset name or a JSON file of drafter config fields
+    drafter: str = "target"  # "target" (the target's own shape), a preset name or a JSON file of config fields
     gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
     cpu_procs: int = 0  # > 0: train on the CPU with this many processes (gloo DDP), GPUs or not
     epochs: int | None = None  # neither epochs nor steps: one epoch
     steps: int | None = None
-    token_budget: int = 49152  # tokens per micro-batch on each rank
+    token_budget: int | None = None  # tokens per micro-batch on each rank; None: the device type's default
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup: int | None = None  # warmup steps; None: 4% of the run
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     grad_accum: int = 1
-    max_anchors: int = 512
+    max_anchors: int | None = None  # blocks per sequence; None: the device type's default
     gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
     labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
     compile: bool = False
@@ -40,6 +40,7 @@ class TrainConfig:
     eval_fraction: float = 0.01
     eval_every: int = 500
     save_every: int = 1000  # 0: no checkpoints at all (a throughput experiment; it cannot be resumed)
+    keep_last: int = 0  # keep only the newest N complete checkpoints; 0: every one
     log_every: int = 1  # progress lines (metrics.jsonl gets every step regardless)
     resume: bool = False
     seed: int = 0
@@ -59,6 +60,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.keep_last < 0:
+            raise DFlashCacheError(f"--keep-last must be at least 0 (got {self.keep_last})")
         if self.save_every < 0:
             raise DFlashCacheError(f"--save-every must be at least 0 (got {self.save_every})")
         if self.epochs is not None and self.steps is not None:
