@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dflash_cache.data.readers import read_records
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.regenerate.client import RetryPolicy
 from dflash_cache.regenerate.conversations import Completion, regenerate_conversation
@@ -131,6 +132,9 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
                                    "chat_template_kwargs": {}, "model": "scripted"}
     assert first["regenerated"] == [{"turn": 1, "finish_reason": "stop", "completion_tokens": 3}]
     assert [m["content"] for m in written[f"{data}:13"]["messages"]] == ["q1", "re: q1", "q2", "re: q2"]
+    # extract reads the output as it is
+    read = {r.where.rsplit(":", 1)[1]: r.messages for r in read_records(out)}
+    assert read["1"][1]["role"] == "assistant" and read["1"][1]["content"].startswith("re: question ")
 
     again = regenerate(RegenerateOptions(data=[data], out=out, servers=[a.url], retry=FAST,
                                          settings=GenerationSettings(max_tokens=16)))
