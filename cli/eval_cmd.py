@@ -3,13 +3,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dflash_cache.eval import (
-    OfflineOptions,
-    SpeculativeOptions,
-    evaluate_offline,
-    evaluate_speculative,
-)
-from dflash_cache.eval.speculative import DTYPES
+from dflash_cache.choices import TARGET_DTYPES
 
 
 def progress(bar: tqdm):
@@ -31,7 +25,7 @@ def progress(bar: tqdm):
                    "first assistant turn. Repeatable.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--num-prompts", type=int, default=16, show_default=True, help="Prompts to decode (0: every one).")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True,
+@click.option("--dtype", type=click.Choice(TARGET_DTYPES), default="float32", show_default=True,
               help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
 @click.option("--cache", "caches", multiple=True,
               help="Instead of --target: tau offline from this cache's hidden states (a folder or an fsspec URL), "
@@ -50,6 +44,8 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
     if one differs. Reports tau (mean acceptance length), acceptance per draft position and tokens
     per target forward.
     """
+    from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative
+
     if bool(target) == bool(caches):
         raise click.UsageError("give either --target with --data (speculative decoding) or --cache (offline)")
     if caches:

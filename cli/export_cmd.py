@@ -2,18 +2,20 @@ from pathlib import Path
 
 import click
 
-from dflash_cache.drafter.export import DTYPES, export_checkpoint
+from dflash_cache.choices import EXPORT_DTYPES
 
 
 @click.command("export")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for config.json and model.safetensors.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True, help="Weight dtype of the export.")
+@click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="bfloat16", show_default=True, help="Weight dtype of the export.")
 def command(checkpoint: Path, out: Path, dtype: str) -> None:
     """Write a drafter CHECKPOINT (a `train` checkpoint directory) in the reference DFlash layout.
 
     The result loads with `dflash.model.DFlashDraftModel.from_pretrained(OUT)` and serves in engines
     that run DFlash drafters.
     """
+    from dflash_cache.drafter.export import export_checkpoint
+
     export_checkpoint(checkpoint, out, dtype)
     click.echo(f"exported {checkpoint} -> {out} ({dtype})")

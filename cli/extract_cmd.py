@@ -1,11 +1,13 @@
+import json
+import sys
 from pathlib import Path
 
 import click
 from tqdm import tqdm
 
-from dflash_cache.extract.pipeline import ExtractOptions, extract
-from dflash_cache.store.codecs import CODECS
-from dflash_cache_cli.options import INT_LIST
+from dflash_cache.choices import CODECS
+from dflash_cache.progress import ProgressLog
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 
 @click.command("extract")
@@ -14,7 +16,7 @@ from dflash_cache_cli.options import INT_LIST
               help="Conversations JSONL ({'messages': [...]} or ShareGPT {'conversations': [...]}), or pre-tokenized Parquet/Arrow/JSONL with input_ids (and loss_mask). Repeatable.")
 @click.option("--out", required=True, help="Cache directory to create, or to resume; or an fsspec URL (s3://bucket/prefix, gs://...).")
 @click.option("--layers", type=INT_LIST, help="Target layer indices to capture, e.g. 1,16,31,46,61 (0-based; layer i's output).")
-@click.option("--num-draft-layers", type=int, help="Capture N layers spread evenly from 1 to num_layers-3 (the reference DFlash rule). Default 5 when --layers is not given.")
+@click.option("--num-draft-layers", type=int, help=LAYER_RULE)
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.")
 @click.option("--gpus", type=INT_LIST, help="GPUs to use, one process each, e.g. 0-4. Default: every visible GPU; the CPU when there is none.")
 @click.option("--token-budget", type=int, default=49152, show_default=True, help="Tokens (with padding) per target forward. Packed rows hold max(this, the longest sample) tokens.")
@@ -23,46 +25,103 @@ from dflash_cache_cli.options import INT_LIST
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
 @click.option("--shard-size", type=float, default=512, show_default=True, help="Shard size in MiB (a shard is closed once it reaches this size).")
 @click.option("--staging", type=click.Path(path_type=Path), help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.")
-@click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, help="Processes for tokenizing conversations (0: in the main process).")
+@click.option("--tokenize-workers", type=click.IntRange(min=0),
+              help="Processes tokenizing the data (0 or 1: the main process). Default: one per CPU core.")
+@click.option("--tokenized-dir", type=click.Path(path_type=Path),
+              help="Where the tokenized data is kept, to be reused by resumed and later extractions of the same data, "
+                   "tokenizer and --max-length (an Arrow file that --data also reads). Default: "
+                   "$DFLASH_CACHE_TOKENIZED_DIR, else ~/.cache/dflash-cache/tokenized.")
+@click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True,
+              help="A malformed line, a record with nothing to train on or a chat-template error: stop naming file:line, or skip it (counted, and listed with file:line and reason in the manifest).")
+@click.option("--chat-template-kwargs", "chat_template_kwargs", metavar="JSON",
+              help='Extra chat-template options as a JSON object, e.g. \'{"enable_thinking": false}\' (part of the cache spec).')
+@click.option("--strict-template", is_flag=True, help="A conversation the chat template does not render as the data has it (reasoning or tool calls dropped, prompts that are not prefixes) is a bad record, not a warning.")
+@click.option("--max-record-bytes", type=click.IntRange(min=1), help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.")
 @click.option("--batching", type=click.Choice(["auto", "packed", "padded"]), default="auto", show_default=True,
               help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, qwen3_5, qwen2, llama); "
                    "padded: one sample per row, on a few fixed shapes; auto: packed where the target supports it.")
 @click.option("--kernel-cache", type=click.Path(path_type=Path),
               help="Folder for compiled and autotuned kernels, kept between runs and shared by the ranks of a node (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR). Default: Triton's own cache.")
-def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers, batching, kernel_cache):
+def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers,
+            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes, batching, kernel_cache):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
     """
-    if layers is None and num_draft_layers is None:
-        num_draft_layers = 5
+    from dflash_cache.extract.pipeline import ExtractOptions, extract
+
     if shard_size <= 0:
         raise click.BadParameter("must be positive", param_hint="--shard-size")
+    template_kwargs = _json_object(chat_template_kwargs)
     opts = ExtractOptions(
         target=target, data=list(data), out=out, layers=layers, num_draft_layers=num_draft_layers, codec=codec,
         gpus=gpus, token_budget=token_budget, max_length=max_length, topk=topk, on_bad_sample=on_bad_sample,
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
-        batching=batching, kernel_cache=kernel_cache,
+        on_bad_record=on_bad_record, chat_template_kwargs=template_kwargs, strict_template=strict_template,
+        max_record_bytes=max_record_bytes,
+        tokenized_dir=tokenized_dir, batching=batching, kernel_cache=kernel_cache,
     )
-    bar = None
+    bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
+    terminal = sys.stderr.isatty()
+
+    def on_tokenize(samples: int, tokens: int) -> None:
+        nonlocal bar, log
+        if bar is None and log is None:
+            click.echo("tokenizing the data (kept for later runs)", err=True)
+            if terminal:
+                bar = tqdm(unit="sample", desc="tokenize", dynamic_ncols=True)
+            else:
+                log = ProgressLog("tokenize", None, None, lambda line: click.echo(line, err=True), writes=False).start()
+        if bar is not None:
+            bar.update(samples)
+        else:
+            log.update(samples, tokens)
+
+    def close_progress() -> None:
+        nonlocal bar, log
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+        bar = log = None
+
+    def on_data(loaded) -> None:
+        if loaded.bad_records:
+            first = loaded.bad_records[0]
+            click.echo(f"skipped {len(loaded.bad_records)} bad records (listed in the manifest), e.g. {first['where']}: {first['reason']}", err=True)
+        if loaded.untrainable:
+            click.echo(f"skipped {len(loaded.untrainable)} samples with no assistant token within --max-length {max_length} "
+                       f"(listed in the manifest), e.g. {loaded.untrainable[0]['where']}", err=True)
+        if loaded.unfaithful:
+            click.echo(f"warning: the chat template does not render {loaded.unfaithful} conversations as the data has them "
+                       f"(recorded in the manifest; --strict-template makes it an error), e.g. {loaded.unfaithful_examples[0]}", err=True)
 
     def on_plan(samples: int, tokens: int, layout: str) -> None:
-        nonlocal bar
+        nonlocal bar, log
+        close_progress()  # tokenizing is over
         if not samples:
             return
         click.echo(f"to extract: {samples} samples, {tokens} tokens; the target runs {layout}", err=True)
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True, disable=None)
+        if terminal:
+            bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+        else:  # a log file: tqdm would print nothing
+            log = ProgressLog("extract", samples, tokens, lambda line: click.echo(line, err=True)).start()
 
     def on_progress(p) -> None:
         written[0] += p.bytes
         written[1] += p.wait_s
+        if log is not None:
+            log.update(p.samples, p.tokens, p.bytes)
         if bar is not None:
             bar.update(p.tokens)
             waiting = " (waiting on disk)" if p.wait_s > 0.1 else ""
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
-    summary = extract(opts, on_progress, on_plan)
+    try:
+        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize)
+    finally:
+        close_progress()
     if bar is not None:
         bar.close()
     if summary.already_complete:
@@ -71,7 +130,8 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     per_token = summary.bytes / max(summary.tokens, 1)
     click.echo(
         f"done: {summary.samples} samples, {summary.tokens} tokens, {per_token / 1024:.2f} KiB/token, "
-        f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped"
+        f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped, "
+        f"{summary.bad_records} bad records, {summary.untrainable} with nothing to train on"
     )
     for r in summary.ranks:
         rate = r.tokens / max(r.compute_s, 1e-9)
@@ -79,3 +139,15 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
                    f"before the first batch, {r.wait_s:.1f} s waiting on disk")
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")
+
+
+def _json_object(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not valid JSON ({e.msg} at column {e.colno})", param_hint="--chat-template-kwargs") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'", param_hint="--chat-template-kwargs")
+    return value or None

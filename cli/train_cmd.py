@@ -1,8 +1,8 @@
 import click
-from dflash_cache_cli.options import INT_LIST
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.train import train
 
 
 @click.command("train")
@@ -18,8 +18,7 @@ from dflash_cache.train.train import train
 @click.option("--layers", type=INT_LIST,
               help="With --live-target: target layers to feed the drafter, e.g. 1,16,31,46,61 (as for extract).")
 @click.option("--num-draft-layers", type=int,
-              help="With --live-target: N layers spread evenly from 1 to num_layers-3. Default 5 when --layers is "
-                   "not given.")
+              help="With --live-target: " + LAYER_RULE)
 @click.option("--target-gpus", type=INT_LIST,
               help="With --live-target: the GPU of each training rank's own copy of the target, in --gpus order "
                    "(--target-gpus 0 --gpus 1: target on GPU 0 feeding the drafter on GPU 1). Default: each rank's "
@@ -27,21 +26,25 @@ from dflash_cache.train.train import train
 @click.option("--max-length", type=int, default=8192, show_default=True,
               help="With --live-target: longer samples are truncated (as for extract).")
 @click.option("--exact-target", is_flag=True,
-              help="With --live-target: run each sample alone through the target, as `extract --token-budget 1` "
+              help="With --live-target: run each sample alone through the target, as `extract --batching padded --token-budget 1` "
                    "does, so the losses equal those of training from such a bf16-zstd cache bit for bit (slower). "
                    "Default: a batch's samples in padded target forwards of at most --token-budget tokens.")
 @click.option("--out", required=True, type=click.Path(),
               help="Run directory: metrics.jsonl, TensorBoard files in tb/, checkpoints/step-N/. Must be new or "
                    "empty, unless --resume.")
-@click.option("--drafter", default="qwen3.6-27b", show_default=True,
-              help="Drafter preset (qwen3-8b, qwen3.6-27b; adapted to the cache's target) or a JSON config file.")
+@click.option("--drafter", default="target", show_default=True,
+              help="Drafter shape. 'target': the target's own hidden size, FFN size, heads, KV heads and head_dim, "
+                   "5 layers, block 16 (the rule the z-lab DFlash drafters follow). A preset (qwen3-8b, qwen3.6-27b: "
+                   "those drafters' shapes, with the cache's hidden size, vocabulary and layers), or a JSON file of "
+                   "drafter fields (README: 'Drafter JSON').")
 @click.option("--gpus", type=INT_LIST,
               help="GPUs to train on, one DDP process each, e.g. 5-7. Default: every visible GPU; the CPU when "
                    "there is none. Under torchrun, the GPU of each local rank.")
 @click.option("--epochs", type=int, help="Passes over the training samples. Default: 1 (unless --steps).")
 @click.option("--steps", type=int, help="Optimizer steps to run instead of whole epochs.")
-@click.option("--token-budget", type=int, default=49152, show_default=True,
-              help="Tokens per batch on each GPU (packed, no padding in eager mode).")
+@click.option("--token-budget", type=int,
+              help="Tokens per batch on each GPU (packed, no padding in eager mode). Default: 49152 on a GPU, 2048 "
+                   "on the CPU.")
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak AdamW learning rate.")
 @click.option("--warmup", type=int, help="Linear warmup steps before the cosine decay. Default: 4% of the run.")
 @click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="The cosine ends at lr times this.")
@@ -49,7 +52,9 @@ from dflash_cache.train.train import train
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Clip the gradient norm to this.")
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="Batches per GPU per optimizer step; the global batch is GPUs x this x --token-budget.")
-@click.option("--max-anchors", type=int, default=512, show_default=True, help="Most training blocks per sequence.")
+@click.option("--max-anchors", type=int,
+              help="Most training blocks per sequence. Default: 512 on a GPU, 8 on the CPU (whose attention cost "
+                   "grows with blocks x tokens of a batch).")
 @click.option("--gamma", type=float, default=7.0, show_default=True,
               help="Loss weight of block slot k is exp(-(k-1)/gamma).")
 @click.option("--labels", type=click.Choice(["target", "tokens"]), default="target", show_default=True,
@@ -60,6 +65,8 @@ from dflash_cache.train.train import train
               help="Share of samples held out for evaluation, chosen by a hash of the sample id.")
 @click.option("--eval-every", type=int, default=500, show_default=True, help="Evaluate every N steps (and at the end).")
 @click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps (and at the end); 0: never, for throughput experiments (such a run cannot be resumed).")
+@click.option("--keep-last", type=int, default=0, show_default=True,
+              help="Keep only the newest N complete checkpoints (0: keep every one).")
 @click.option("--log-every", type=int, default=1, show_default=True,
               help="Print a progress line every N steps (metrics.jsonl gets every step).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its newest complete checkpoint.")
@@ -75,9 +82,12 @@ from dflash_cache.train.train import train
                    "each sample by byte ranges).")
 @click.option("--local-cache-size", type=float,
               help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
+@click.option("--max-open-shards", type=int, default=DEFAULT_MAX_OPEN_SHARDS, show_default=True,
+              help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
+                   "and one memory map each, whatever the number of shards.")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-            grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, log_every, resume,
-            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size):
+            grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
+            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
     With --live-target instead of --cache, the target runs beside the drafter and computes each batch
@@ -86,18 +96,19 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
     checkpoint into the reference layout. Weights are fp32 and the step runs under bf16 autocast.
     """
-    if live_target is not None and layers is None and num_draft_layers is None:
-        num_draft_layers = 5
     config = TrainConfig(
         caches=list(caches), live_target=live_target, data=list(data), layers=layers,
         num_draft_layers=num_draft_layers, target_gpus=target_gpus, max_length=max_length, exact_target=exact_target,
         out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
         token_budget=token_budget, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
         grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, gamma=gamma, labels=labels,
-        compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
+        compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
         skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,
         local_cache_bytes=None if local_cache_size is None else int(local_cache_size * (1 << 30)),
+        max_open_shards=max_open_shards,
     )
+    from dflash_cache.train.train import train
+
     train(config, echo=click.echo)
     click.echo(f"done: {out}")

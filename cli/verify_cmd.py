@@ -2,7 +2,6 @@ import click
 from tqdm import tqdm
 
 from dflash_cache.store import open_cache
-from dflash_cache.store.verify import verify_cache
 
 
 @click.command("verify")
@@ -12,6 +11,8 @@ def command(cache: str) -> None:
 
     Exits 0 with a one-line summary, or 1 naming the first bad shard and row.
     """
+    from dflash_cache.store.verify import verify_cache
+
     opened = open_cache(cache)
     total = sum(s.bytes for s in opened.shards)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False, disable=None) as bar:

@@ -1,12 +1,15 @@
 """`run_demo`: the whole job on the bundled assets, end to end, in a few minutes on a laptop.
 
-    extract   the bundled target over the first conversations of data/train.jsonl -> WORKDIR/cache
+    extract   the bundled target over the first training conversations               -> WORKDIR/cache
     train     a one-layer drafter from that cache                               -> WORKDIR/run
     eval      speculative decoding of the held-out prompts (data/heldout.jsonl), every output
               checked against the target's own greedy output
 
 The assets (examples/assets: a tiny Qwen3 target trained on standard-library docstrings, its
-tokenizer, the data) ship with the source tree, next to the installed (editable) package.
+tokenizer, the data) ship with the source tree, next to the installed (editable) package. The
+training conversations are data/train_regenerated.jsonl: data/train.jsonl with every answer written
+again by the target itself (`dflash-cache regenerate`, done once by examples/build_assets.py); the
+same drafter trained on those accepts more of the target's tokens (BENCHMARKS.md has both).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cache.choices import DEMO_ASSETS, DEMO_STEPS, DEMO_TRAIN_DATA
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.speculative import (
@@ -35,8 +39,8 @@ from dflash_cache.train.metrics import METRICS_FILE
 from dflash_cache.train.model import tokenizer_mask_token
 from dflash_cache.train.train import train
 
-ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
-ASSET_FILES = ("target/config.json", "data/train.jsonl", "data/heldout.jsonl")
+ASSETS = DEMO_ASSETS
+ASSET_FILES = ("target/config.json", "data/heldout.jsonl")
 
 
 @dataclass
@@ -44,11 +48,12 @@ class DemoOptions:
     workdir: Path | None = None  # None: a new temporary folder (kept, so the outputs can be looked at)
     assets: Path = ASSETS
     codec: str = "bf16-zstd"
+    train_data: str = DEMO_TRAIN_DATA[0]  # a file of data/
     # None: every layer of the target. The bundled one has four; the reference rule (layers spread
     # over 1 .. L-3) would leave one, and the drafter learns markedly better from all four.
     layers: list[int] | None = None
-    train_samples: int = 800  # conversations of data/train.jsonl to extract and train on
-    steps: int = 600
+    train_samples: int = 800  # the first conversations of the training file to extract and train on
+    steps: int = DEMO_STEPS
     # Small batches: on the CPU the drafter's attention uses a dense mask over the whole packed
     # batch, so its cost grows with the square of the batch.
     token_budget: int = 1024
@@ -75,8 +80,8 @@ class DemoResult:
     seconds: dict[str, float]
 
 
-def find_assets(assets: Path) -> Path:
-    missing = [name for name in ASSET_FILES if not (assets / name).is_file()]
+def find_assets(assets: Path, train_data: str = DEMO_TRAIN_DATA[0]) -> Path:
+    missing = [name for name in (*ASSET_FILES, f"data/{train_data}") if not (assets / name).is_file()]
     if missing:
         raise DFlashCacheError(
             f"demo assets not found in {assets} (missing {missing[0]}); the demo needs a source checkout of "
@@ -116,7 +121,7 @@ def drafter_config(target: Path, layers: list[int], num_layers: int, block_size:
 
 
 def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
-    assets = find_assets(Path(opts.assets))
+    assets = find_assets(Path(opts.assets), opts.train_data)
     workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="dflash-demo-"))
     cache, run = workdir / "cache", workdir / "run"
     if run.exists():
@@ -127,11 +132,11 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResu
     echo(f"workdir {workdir}")
 
     started = time.perf_counter()
-    data = write_subset(assets / "data" / "train.jsonl", workdir / "data" / "train.jsonl", opts.train_samples)
+    data = write_subset(assets / "data" / opts.train_data, workdir / "data" / opts.train_data, opts.train_samples)
     extracted = extract(ExtractOptions(target=target, data=[data], out=cache, layers=layers, codec=opts.codec,
                                        gpus=[0] if torch.cuda.is_available() else None))
     seconds["extract"] = time.perf_counter() - started
-    echo(f"extract: {extracted.samples} conversations, {extracted.tokens} tokens, layers {layers} -> {cache} "
+    echo(f"extract: {extracted.samples} conversations of {opts.train_data}, {extracted.tokens} tokens, layers {layers} -> {cache} "
          f"({opts.codec}, {extracted.bytes / max(extracted.tokens, 1):.0f} bytes/token, {seconds['extract']:.0f} s)")
 
     started = time.perf_counter()

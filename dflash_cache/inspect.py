@@ -17,6 +17,7 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
         f"codec:        {spec['codec']}" + (f", top-{spec['topk']} labels" if spec.get("topk") else ""),
         f"samples:      {totals['samples']:,} ({len(cache.manifest['skipped'])} skipped, {cache.manifest.get('extract', {}).get('truncated', 0)} truncated at {spec['max_length']} tokens)",
         f"tokens:       {totals['tokens']:,}",
+        *_data_lines(cache.manifest.get("extract", {})),
         f"shards:       {len(cache.shards)}, {totals['bytes'] / 1e9:.3f} GB",
         f"bytes/token:  {totals['bytes'] / tokens:,.0f} (hidden states {totals['hidden_bytes'] / tokens:,.0f}, raw bf16 {totals['raw_hidden_bytes'] / tokens:,.0f})",
         f"compression:  {totals['hidden_bytes'] / max(totals['raw_hidden_bytes'], 1):.3f} of raw bf16",
@@ -26,3 +27,20 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
     ids = sorted(lengths)
     batches = plan_batches(ids, [lengths[i] for i in ids], token_budget, seed=None)
     return lines + ["  " + line for line in describe_plan(batches, lengths)]
+
+
+def _data_lines(report: dict) -> list[str]:
+    """What extraction found in the data: masked tokens by kind, records left out, template fidelity."""
+    lines = []
+    masked = report.get("masked_tokens")
+    if masked:
+        total = max(sum(masked.values()), 1)
+        kinds = ", ".join(f"{kind.replace('_', ' ')} {n:,} ({n / total:.1%})" for kind, n in masked.items())
+        lines.append(f"masked:       {sum(masked.values()):,} tokens: {kinds}")
+    left_out = [(len(report.get("bad_records", [])), "bad records"), (len(report.get("untrainable", [])), "with nothing to train on")]
+    if any(n for n, _ in left_out):
+        lines.append("left out:     " + ", ".join(f"{n} {what}" for n, what in left_out) + " (listed in the manifest)")
+    unfaithful = report.get("unfaithful", {})
+    if unfaithful.get("count"):
+        lines.append(f"template:     {unfaithful['count']} conversations not rendered as the data has them, e.g. {unfaithful['examples'][0]}")
+    return lines

@@ -57,3 +57,31 @@ def write_random_cache(root: Path, lengths: list[int], spec: dict | None = None,
     writer.commit()
     write_manifest(root, build_manifest(read_journals(root)))
     return hidden
+
+
+def write_one_row_shards(root: Path, lengths: list[int], spec: dict, distinct: int = 8) -> None:
+    """A complete cache of one row per shard (sample ids 0..n-1), written straight as Arrow files with
+    no fsync: many shards fast. Rows reuse `distinct` random payloads, each under its own sample id."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    from dflash_cache.store.manifest import JournalState
+    from dflash_cache.store.schema import ROW_SCHEMA
+    from dflash_cache.store.shard import SHARD_DIR, ShardRecord, file_sha256, shard_name
+
+    (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    templates: dict[int, Row] = {}
+    records = []
+    for sid, n in enumerate(lengths):
+        key = (sid % distinct, n)
+        if key not in templates:
+            templates[key] = random_row(sid, n, spec)[0]
+        row = replace(templates[key], sample_id=sid)
+        rel = f"{SHARD_DIR}/{shard_name(0, sid)}"
+        with pa.OSFile(str(root / rel), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            writer.write_batch(row.record_batch)
+        size = (root / rel).stat().st_size
+        records.append(ShardRecord(path=rel, rows=1, tokens=n, bytes=size, hidden_bytes=len(row.hidden),
+                                   sha256=file_sha256(root / rel), sample_ids=[sid], num_tokens=[n]))
+    write_manifest(root, build_manifest(JournalState(spec, records, [])))

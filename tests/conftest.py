@@ -1,7 +1,18 @@
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from tests.tiny import build_target, build_tokenizer, write_conversations
+
+# Tokenized data goes to a folder of this session (subprocesses inherit it), not the user's cache.
+os.environ["DFLASH_CACHE_TOKENIZED_DIR"] = tempfile.mkdtemp(prefix="dflash-cache-tokenized-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["DFLASH_CACHE_TOKENIZED_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_cache.data.dataset import load_samples
+from dflash_cache.data.dataset import EncodeOptions, load_samples
 from dflash_cache.data.tokenize import tokenize_conversation
 from dflash_cache.errors import DFlashCacheError
 from tests.tiny import build_tokenizer
@@ -50,14 +50,19 @@ def test_load_all_forms_with_stable_ids(files, tokenizer):
 
 
 def test_truncation(files, tokenizer):
+    """Samples are cut to max_length; those left with nothing to train on are skipped and listed."""
     full = load_samples(files, tokenizer, max_length=4096)
-    lengths = full.lengths()
     data = load_samples(files, tokenizer, max_length=20)
-    assert data.num_truncated == int((lengths > 20).sum()) > 0
-    for before, after in zip(full.samples, data.samples):
-        n = min(len(before.input_ids), 20)
-        assert after.input_ids.tolist() == before.input_ids[:n].tolist()
-        assert after.loss_mask.tolist() == before.loss_mask[:n].tolist()
+    kept = {s.sample_id: s for s in data.samples}
+    trainable = [s for s in full.samples if s.loss_mask[:20].any()]
+    assert sorted(kept) == [s.sample_id for s in trainable]
+    assert [u["sample_id"] for u in data.untrainable] == [s.sample_id for s in full.samples if not s.loss_mask[:20].any()]
+    assert data.untrainable and all(":" in u["where"] for u in data.untrainable)
+    assert data.num_truncated == sum(len(s.input_ids) > 20 for s in trainable) > 0
+    for before in trainable:
+        after = kept[before.sample_id]
+        assert after.input_ids.tolist() == before.input_ids[:20].tolist()
+        assert after.loss_mask.tolist() == before.loss_mask[:20].tolist()
 
 
 def test_worker_processes_give_the_same_result(files, tokenizer, monkeypatch):
@@ -92,10 +97,95 @@ def test_conversations_need_a_chat_template(files):
 def test_bad_arguments(tmp_path, files, tokenizer):
     with pytest.raises(DFlashCacheError, match="no data files given"):
         load_samples([], tokenizer, max_length=64)
-    with pytest.raises(DFlashCacheError, match=r"data file not found: .*missing.jsonl"):
+    with pytest.raises(DFlashCacheError, match=r"data file .*missing.jsonl does not exist"):
         load_samples([files[0], tmp_path / "missing.jsonl"], tokenizer, max_length=64)
     with pytest.raises(DFlashCacheError, match="max length must be at least 1"):
         load_samples(files, tokenizer, max_length=0)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DFlashCacheError, match="empty.jsonl is empty"):
         load_samples([files[0], tmp_path / "empty.jsonl"], tokenizer, max_length=64)
+
+
+def mixed_file(tmp_path, tokenizer):
+    """Good records with a bad one of each kind between them."""
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    lines = [
+        json.dumps(good),                                                   # 1 good
+        '{"messages": [',                                                   # 2 malformed JSON
+        json.dumps({"messages": [{"role": "user", "content": "no reply"}]}),  # 3 nothing to train on
+        json.dumps({"input_ids": [1, len(tokenizer)]}),                     # 4 outside the vocabulary
+        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "boom"}]}),  # 5 template error
+        json.dumps({"input_ids": [5, 6], "loss_mask": [0, 0]}),             # 6 good line, nothing to train on
+        json.dumps({"input_ids": list(range(5, 300))}),                     # 7 longer than the byte limit below
+        json.dumps(good),                                                   # 8 good
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def failing_tokenizer():
+    template = ("{%- for m in messages %}{%- if m['content'] == 'boom' %}{{ raise_exception('roles must alternate') }}"
+                "{%- endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    return build_tokenizer(chat_template=template)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers):
+    tokenizer = failing_tokenizer()
+    path = mixed_file(tmp_path, tokenizer)
+    options = EncodeOptions(64, max_record_bytes=1000)
+    with pytest.raises(DFlashCacheError, match=rf"mixed.jsonl:2: not valid JSON"):
+        load_samples([path], tokenizer, 64, workers=workers, options=options)
+    data = load_samples([path], tokenizer, 64, workers=workers, options=options, on_bad_record="skip")
+    assert [s.sample_id for s in data.samples] == [0, 7]  # ids stay the record index
+    assert [(b["where"], b["reason"].split(" (")[0].split(":")[0]) for b in data.bad_records] == [
+        (f"{path}:2", "not valid JSON"),
+        (f"{path}:3", "the conversation has no assistant turn, so nothing to train on"),
+        (f"{path}:4", f"token id {len(tokenizer)} at position 1 is outside the tokenizer's vocabulary of {len(tokenizer)} ids"),
+        (f"{path}:5", "the chat template failed on this conversation"),
+        (f"{path}:7", "the line is longer than 1,000 bytes, the limit for this --max-length"),
+    ]
+    assert data.untrainable == [{"where": f"{path}:6", "sample_id": 5}]
+    assert data.report()["bad_records"] == data.bad_records
+
+
+def test_one_huge_line_costs_little_memory(tmp_path, tokenizer):
+    """A 50 MB line is refused without being held: peak Python memory stays near the line limit."""
+    import tracemalloc
+
+    path = tmp_path / "huge.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "x" * (50 << 20)}, {"role": "assistant", "content": "y"}]}))
+        f.write("\n" + good + "\n")
+    tracemalloc.start()
+    try:
+        data = load_samples([path], tokenizer, 8192, on_bad_record="skip")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [s.sample_id for s in data.samples] == [1]
+    assert data.bad_records[0]["where"] == f"{path}:1" and "longer than 4,194,304 bytes" in data.bad_records[0]["reason"]
+    assert peak < 16 << 20, peak
+
+
+def test_unfaithful_template_is_counted_or_refused(tmp_path):
+    """A template that drops reasoning: counted with examples, or a bad record with strict_template."""
+    tokenizer = build_tokenizer()  # tests/tiny.py's template renders content only
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "reasoning_content": "think", "content": "a"}]}) + "\n")
+    data = load_samples([path], tokenizer, 64)
+    assert data.unfaithful == 1 and data.unfaithful_examples == [
+        f"{path}:1: the template does not render the reasoning of assistant turn 1"]
+    assert data.report()["unfaithful"] == {"count": 1, "examples": data.unfaithful_examples}
+    with pytest.raises(DFlashCacheError, match=rf"r.jsonl:1: the chat template does not render this conversation faithfully"):
+        load_samples([path], tokenizer, 64, options=EncodeOptions(64, strict_template=True))
+
+
+def test_masked_token_kinds(tmp_path, tokenizer):
+    path = tmp_path / "k.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    assert load_samples([path], tokenizer, 64).masked_tokens == {"content": 2, "reasoning": 0, "tool_call": 0, "markup": 0}

@@ -92,12 +92,20 @@ def test_parquet_without_mask_and_integer_mask(tmp_path):
         ('{"messages": [{"role": "user", "content": "hi"}]}', r":2: the conversation has no assistant turn"),
         ('{"messages": []}', r":2: 'messages' must be a non-empty list"),
         ('{"messages": [{"role": "assistant", "content": null}]}', r":2: messages\[0\].content must be a string"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "a"}]}',
+         r":2: messages\[0\].content\[0\] is a 'image_url' part; only text parts can be trained on"),
+        ('{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}',
+         r":2: messages\[0\].tool_calls\[0\] arguments is not valid JSON"),
+        ('{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"arguments": "{}"}}]}]}',
+         r":2: messages\[0\].tool_calls\[0\] needs a function name"),
+        ('{"messages": [{"role": "assistant", "content": "a", "reasoning_content": "x", "thinking": "y"}]}',
+         r":2: messages\[0\] has different reasoning in reasoning_content and thinking"),
         ('{"text": "hello"}', r":2: a record needs exactly one of .* \(found none\)"),
         ('{"input_ids": [1], "messages": []}', r":2: .*found messages and input_ids"),
         ('{"input_ids": [1, 2.5]}', r":2: 'input_ids' holds 2.5, not an integer"),
         ('{"input_ids": [1, true]}', r":2: 'input_ids' holds True"),
         ('{"input_ids": []}', r":2: 'input_ids' must be a non-empty list"),
-        ('{"input_ids": [99999999999999999999999]}', r":2: 'input_ids' holds an integer too large"),
+        ('{"input_ids": [99999999999999999999999]}', r":2: 'input_ids' holds 99999999999999999999999, an integer too large"),
         ('{"input_ids": [1, 2], "loss_mask": [1]}', r":2: 'loss_mask' has 1 entries but 'input_ids' has 2"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2]}', r":2: 'loss_mask' must be a list of 0/1"),
     ],
@@ -131,7 +139,7 @@ def test_empty_parquet(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(DFlashCacheError, match="cannot read data file .*nope.jsonl"):
+    with pytest.raises(DFlashCacheError, match="data file .*nope.jsonl does not exist"):
         list(read_records(tmp_path / "nope.jsonl"))
 
 
@@ -204,3 +212,96 @@ def test_fuzz_jsonl_reader(lines):
             assert isinstance(r, (Conversation, TokenRecord))
             if isinstance(r, TokenRecord):
                 assert r.input_ids.dtype == np.int64 and len(r.input_ids) > 0
+
+
+def test_message_fields(tmp_path):
+    """Reasoning, tool calls (arguments as objects or JSON strings, content null or absent), tool
+    results, text parts and a tools list reach the template; developer and ipython roles are mapped."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    path = write_lines(tmp_path / "fields.jsonl", [{"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "reasoning_content": "Add.", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2,"b": 3}'}}]},
+        {"role": "ipython", "tool_call_id": "c1", "name": "add", "content": "5"},
+        {"role": "assistant", "thinking": "Done.", "tool_calls": [{"name": "add", "arguments": {"a": 1}}]},
+        {"role": "assistant", "reasoning": "r", "content": "5"},
+    ], "tools": tools}])
+    (record,) = read_records(path)
+    system, user, call, result, flat, last = record.messages
+    assert system == {"role": "system", "content": "Be brief."}
+    assert call["content"] is None and call["reasoning_content"] == call["thinking"] == "Add."
+    (c,) = call["tool_calls"]
+    assert c["id"] == "c1" and c["type"] == "function" and c["function"]["name"] == "add"
+    assert c["function"]["arguments"] == {"a": 2, "b": 3} and str(c["function"]["arguments"]) == '{"a": 2,"b": 3}'
+    assert "text " + c["function"]["arguments"] == 'text {"a": 2,"b": 3}'  # as DeepSeek's template concatenates it
+    assert result == {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"}
+    assert flat["content"] is None and flat["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
+    assert str(flat["tool_calls"][0]["function"]["arguments"]) == '{"a": 1}'
+    assert last == {"role": "assistant", "content": "5", "reasoning_content": "r", "thinking": "r"}
+    assert record.tools == tools
+
+
+def test_sharegpt_fields(tmp_path):
+    """ShareGPT rows (LLaMA-Factory's form too: system, tools as JSON, function_call, observation)."""
+    tools = [{"name": "add", "parameters": {}}]
+    path = write_lines(tmp_path / "sharegpt.jsonl", [{
+        "system": "Be brief.", "tools": json.dumps(tools),
+        "conversations": [{"from": "human", "value": "2+3?"},
+                          {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2}}'},
+                          {"from": "observation", "value": "5"},
+                          {"from": "gpt", "value": "5", "reasoning_content": "Added."}]}])
+    (record,) = read_records(path)
+    assert [m["role"] for m in record.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert record.messages[0]["content"] == "Be brief."
+    assert record.messages[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2}}
+    assert record.messages[4]["reasoning_content"] == "Added."
+    assert record.tools == tools
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"input_ids": [1, 2]}).encode() + b"\n")
+    assert [r.input_ids.tolist() for r in read_records(path)] == [[1, 2]]
+
+
+def test_gzip_jsonl_is_read(tmp_path):
+    import gzip
+
+    path = tmp_path / "data.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"input_ids": [1]}\n{"input_ids": [2, 3]}\n'))
+    assert [r.input_ids.tolist() for r in read_records(path)] == [[1], [2, 3]]
+    path.write_bytes(gzip.compress(b'{"input_ids": [1]}\n' * 100)[:40])  # cut short
+    with pytest.raises(DFlashCacheError, match=r"data.jsonl.gz: unreadable gzip data"):
+        list(read_records(path))
+
+
+def test_a_pipe_as_data_is_named_as_such(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DFlashCacheError, match=r"data file .*pipe is a pipe \(a FIFO or <\(\.\.\.\)\), which can be read only once"):
+        list(read_records(fifo))
+    with pytest.raises(DFlashCacheError, match=r"is a directory"):
+        list(read_records(tmp_path))
+
+
+def test_uint64_ids_above_2_63_are_printed_as_they_are(tmp_path):
+    big = 2**63 + 5
+    pq.write_table(pa.table({"input_ids": pa.array([[1, big]], pa.list_(pa.uint64()))}), tmp_path / "big.parquet")
+    with pytest.raises(DFlashCacheError, match=rf"big.parquet row 0: token id {big} at position 1 is too large"):
+        list(read_records(tmp_path / "big.parquet"))
+
+
+def test_oversized_line_is_refused_unread(tmp_path):
+    path = tmp_path / "big.jsonl"
+    small = json.dumps({"input_ids": [1, 2]})
+    huge = json.dumps({"input_ids": [7] * 200_000})  # 600 KB on one line
+    path.write_text("\n".join([small, huge, small]) + "\n")
+    with pytest.raises(DFlashCacheError, match=r"big.jsonl:2: the line is longer than 10,000 bytes"):
+        list(read_records(path, max_line_bytes=10_000))
+    records = list(read_records(path, skip_bad=True, max_line_bytes=10_000))
+    assert [type(r).__name__ for r in records] == ["TokenRecord", "BadRecord", "TokenRecord"]
+    assert records[1].where == f"{path}:2" and records[1].reason.startswith("the line is longer than 10,000 bytes")
+    assert records[2].where == f"{path}:3"

@@ -129,3 +129,22 @@ def test_template_that_rewrites_history():
     for messages in EDGE_CASES:
         expected = "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
         check(tokenizer, messages, expected)
+
+
+@pytest.mark.parametrize("template", [None, THINKING_TEMPLATE])
+def test_renders_per_conversation_do_not_grow_with_turns(template):
+    """Span finding renders a conversation a fixed number of times, whatever its number of turns."""
+    tokenizer = build_tokenizer() if template is None else build_tokenizer(chat_template=template)
+    counts = []
+    for turns in (2, 8, 64):
+        messages = [{"role": "user" if t % 2 == 0 else "assistant", "content": f"turn {t} text"} for t in range(turns)]
+        tokenize_conversation(tokenizer, messages)  # the template's one-off calibration
+        calls = [0]
+        original = tokenizer.apply_chat_template
+        tokenizer.apply_chat_template = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), original(*a, **k))[1]
+        try:
+            tokenize_conversation(tokenizer, messages)
+        finally:
+            tokenizer.apply_chat_template = original
+        counts.append(calls[0])
+    assert counts == [3, 4, 4]  # the conversation, the probe, the first and last turns' prompts (one when they are the same)

@@ -101,6 +101,29 @@ def test_target_predicts_heldout_answers_far_above_chance(tokenizer, heldout):
     assert correct / total > MIN_HELDOUT_ACCURACY
 
 
+@pytest.mark.slow
+def test_regenerated_training_answers_are_the_targets_own(tokenizer):
+    """data/train_regenerated.jsonl: train.jsonl's conversations, each answer the target's greedy output."""
+    train = read_jsonl(ASSETS / "data" / "train.jsonl")
+    regenerated = read_jsonl(ASSETS / "data" / "train_regenerated.jsonl")
+    report = json.loads((ASSETS / "build_report.json").read_text())["regenerated"]
+    assert len(regenerated) == len(train) == report["records"]
+    by_line = {int(r["source"].rsplit(":", 1)[1]): r for r in regenerated}
+    assert sorted(by_line) == list(range(1, len(train) + 1))
+    for line, original in enumerate(train, start=1):
+        new = by_line[line]["messages"]
+        assert [(m["role"], m["content"]) for m in new if m["role"] != "assistant"] == \
+               [(m["role"], m["content"]) for m in original["messages"] if m["role"] != "assistant"]
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "target", dtype="auto").eval()
+    for line in (1, 2, 49):  # 49 has three assistant turns, each asked with the new answers before it
+        messages = by_line[line]["messages"]
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt = torch.tensor([chat_ids(tokenizer, messages[:i], add_generation_prompt=True)])
+                ids = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=report["max_tokens"])
+                assert message["content"] == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
 def test_builder_data_is_deterministic():
     config = BuildConfig()
     items = collect_items(("json", "textwrap"), config.max_answer_chars)

@@ -151,14 +151,15 @@ def test_full_disk_during_a_shard_write(setup, tmp_path):
 
 
 class OutOfMemoryRunner(TargetRunner):
-    """Raises CUDA's OOM error for a batch of more than `budget` tokens, and for the long sample even alone."""
+    """Raises CUDA's OOM error for a forward of several samples over `budget` tokens, and for the long
+    sample even alone."""
 
     budget = 150
 
-    def run(self, input_ids, lengths):
-        if input_ids.shape[1] > 1000 or (input_ids.shape[0] > 1 and input_ids.numel() > self.budget):
+    def run_batch(self, fb):
+        if int(fb.lengths.max()) > 1000 or (len(fb.sample_ids) > 1 and int(fb.lengths.sum()) > self.budget):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return super().run(input_ids, lengths)
+        return super().run_batch(fb)
 
 
 def test_a_sample_that_never_fits_is_named_or_skipped(setup, tmp_path, monkeypatch):
@@ -189,6 +190,10 @@ def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     The target is wide (hidden 1024) so that a sample's activations, not the allocator's 20 MB
     segments, decide what fits: with the usual hidden 64, one sample reserved 25.2 MB and two 27.3 MB
     on an H200, and the premise below failed."""
+    import numpy as np
+
+    from dflash_cache.data.dataset import Sample
+    from dflash_cache.extract.buckets import BucketLayout
     from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
     from dflash_cache.extract.target import load_target
 
@@ -196,6 +201,8 @@ def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     runner = TargetRunner(target, [1, 4])
     lengths = torch.full((8,), 2048)
     input_ids = torch.randint(0, target.vocab_size, (8, 2048), generator=torch.Generator().manual_seed(0)).cuda()
+    samples = [Sample(i, input_ids[i].cpu().numpy().astype(np.int32), np.ones(2048, dtype=bool)) for i in range(8)]
+    layout = BucketLayout(token_budget=8 * 2048, max_length=2048)  # one batch of (8, 2048); halves of 4, 2, 1 rows
     whole = runner.run(input_ids, lengths).hidden.cpu()
 
     def reserved_peak(batch: int) -> int:
@@ -213,13 +220,13 @@ def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     try:
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction((base + (one + two) / 2) / total)
-        parts = [(p.sample_ids, p.output.hidden.cpu()) for p in run_with_split(runner, input_ids, lengths, list(range(8)))]
+        parts = [(p.sample_ids, p.output.hidden.cpu()) for p in run_with_split(runner, layout, samples, "cuda:0")]
         assert [ids for ids, _ in parts] == [[i] for i in range(8)]
         for ids, hidden in parts:
             torch.testing.assert_close(hidden[0], whole[ids[0]], atol=2e-2, rtol=2e-2)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction((base + one / 2) / total)
         with pytest.raises(SampleOutOfMemory, match="sample 0 \\(2048 tokens\\) does not fit"):
-            list(run_with_split(runner, input_ids, lengths, list(range(8))))
+            list(run_with_split(runner, layout, samples, "cuda:0"))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

@@ -31,6 +31,18 @@ def test_layer_ids_follow_reference_rule():
     assert resolve_layer_ids(64, None, 5) == [1, 16, 31, 46, 61]
     assert resolve_layer_ids(36, None, 1) == [18]
     assert resolve_layer_ids(6, None, 3) == [1, 2, 3]  # as many as fit
+    assert resolve_layer_ids(4, None, 1) == [2]
+
+
+def test_layer_ids_default_and_shallow_targets():
+    # No N given: 5 by the reference rule on a deep target, every layer of a target with fewer than 5.
+    assert resolve_layer_ids(64, None, None) == [1, 16, 31, 46, 61]
+    assert resolve_layer_ids(8, None, None) == [1, 2, 3, 4, 5]
+    assert resolve_layer_ids(4, None, None) == [0, 1, 2, 3]
+    assert resolve_layer_ids(2, None, None) == [0, 1]
+    # Fewer than N+3 layers: N spread over all of them (0, 1.25, 2.5, 3.75, 5 rounded half to even).
+    assert resolve_layer_ids(6, None, 5) == [0, 1, 2, 4, 5]
+    assert resolve_layer_ids(6, None, 4) == [0, 2, 3, 5]
 
 
 def test_layer_ids_explicit_list_is_validated():
@@ -42,9 +54,7 @@ def test_layer_ids_explicit_list_is_validated():
             resolve_layer_ids(6, layers, None)
     with pytest.raises(DFlashCacheError, match="either"):
         resolve_layer_ids(6, [1], 2)
-    with pytest.raises(DFlashCacheError, match="either"):
-        resolve_layer_ids(6, None, None)
-    for n in (0, 4):
+    for n in (0, 7):
         with pytest.raises(DFlashCacheError, match="does not fit a 6-layer target"):
             resolve_layer_ids(6, None, n)
 

@@ -138,14 +138,31 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
     assert sum(1 for r in records if not math.isfinite(r["loss"])) == 1
 
 
-def test_out_of_memory_names_the_batch(tmp_path, cache, monkeypatch):
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 239095061248 bytes. Error code 12 (Cannot allocate memory)"),
+])
+def test_out_of_memory_names_the_batch_and_the_options(tmp_path, cache, monkeypatch, error):
     from dflash_cache.drafter.runner import DrafterRunner
 
     def oom(self, batch, anchors, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise error
 
     monkeypatch.setattr(DrafterRunner, "__call__", oom)
-    with pytest.raises(DFlashCacheError, match=r"out of GPU memory at step 1 on a batch of \d+ tokens in \d+ sequences"):
+    with pytest.raises(DFlashCacheError, match=r"out of memory on cpu at step 1 on a batch of \d+ tokens in \d+ "
+                                               r"sequences .*; lower --token-budget \(now 128\) or --max-anchors \(now 8\)$"):
+        train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, cache, monkeypatch):
+    from dflash_cache.drafter.runner import DrafterRunner
+
+    def broken(self, batch, anchors, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(DrafterRunner, "__call__", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
         train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
 
 
@@ -162,3 +179,25 @@ def test_under_torchrun_the_process_is_one_rank(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(train_module, "launch", None)  # nothing may be spawned
     train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
     assert len(losses(tmp_path / "run")) == 2
+
+
+def test_each_epoch_is_planned_once_before_the_first_step(tmp_path, cache, monkeypatch):
+    from dflash_cache.stream.epochs import EpochPlan
+
+    planned, first_step = [], []
+    real_batches, real_step = EpochPlan._batches, train_module.train_step
+
+    def batches(self, epoch):
+        if not first_step:
+            planned.append(epoch)
+        return real_batches(self, epoch)
+
+    def step(*args, **kwargs):
+        first_step.append(True)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(EpochPlan, "_batches", batches)
+    monkeypatch.setattr(train_module, "train_step", step)
+    train(tiny_config(tmp_path, cache, epochs=3, save_every=0), echo=lambda s: None)
+    # prepare counts the steps of epochs 0, 1 and 2; the rank then plans only the epoch it starts with.
+    assert planned == [0, 1, 2, 0]

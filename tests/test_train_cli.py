@@ -40,9 +40,10 @@ def test_train_then_refuse_to_overwrite_then_resume(tmp_path, setup):
     one_line_error(*run(*options(cache, drafter, out, "--lr", 1e-3, "--resume")), "different config", "lr")
     assert (out / "metrics.jsonl").read_text() == before  # nothing overwritten
 
-    code, text = run(*options(cache, drafter, out, "--resume"))
-    assert code == 0 and "resuming from" in text and "step-2" in text
-    assert losses(out) == [r["loss"] for r in metrics(out)] and len(losses(out)) == 2
+    code, text = run(*options(cache, drafter, out, "--resume"))  # a finished run: nothing to do, and what next
+    assert code == 0 and f"{out} is finished: step-2 is its last step (2)" in text, text
+    assert "another --out with more --steps" in text and "step 1/" not in text
+    assert (out / "metrics.jsonl").read_text() == before
 
 
 def test_bad_caches(tmp_path, setup):
@@ -97,3 +98,20 @@ def test_out_that_is_not_empty(tmp_path, setup):
 def test_options_out_of_range(tmp_path, setup, extra, needle):
     cache, drafter = setup
     one_line_error(*run(*options(cache, drafter, tmp_path / "run", *extra)), needle)
+
+
+def test_a_cache_with_no_token_to_train_on_is_refused(tmp_path):
+    """Before: such a cache trained to 'loss 0.0000 | tau 0.000' with exit 0."""
+    import json
+
+    from dflash_cache.store.manifest import manifest_checksum
+
+    cache = make_cache(tmp_path / "cache")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest.pop("checksum")
+    manifest["extract"] = {"masked_tokens": {"content": 0, "reasoning": 0, "tool_call": 0, "markup": 0}}
+    manifest["checksum"] = manifest_checksum(manifest)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "run"
+    one_line_error(*run(*options(cache, drafter_json(tmp_path / "drafter.json"), out)), "holds no token to train on")
+    assert not out.exists()

@@ -3,7 +3,12 @@
 A sample's id is the index of its record among all records of the given files, taken in the order
 given (records of the first file are 0..n1-1, those of the second n1..n1+n2-1, and so on; blank JSONL
 lines are not records). The id therefore names the same source row in every run over the same files
-in the same order, whatever the number of processes.
+in the same order, whatever the number of processes. A skipped record keeps its id unused.
+
+Records that cannot be used (malformed lines, lines over the size limit, template errors, token ids
+outside the vocabulary) stop the load naming `file:line`, or with `on_bad_record="skip"` are left
+out and listed. Samples with nothing to train on once cut to `max_length` (an all-zero loss mask)
+are always left out and listed.
 """
 
 from __future__ import annotations
@@ -13,17 +18,20 @@ import multiprocessing
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from dflash_cache.data.readers import Conversation, Record, read_records
-from dflash_cache.data.tokenize import check_token_ids, tokenize_conversation
+from dflash_cache.data.readers import BadRecord, Conversation, Record, check_data_file, read_records
+from dflash_cache.data.tokenize import KINDS, check_token_ids, encode_conversation
 from dflash_cache.errors import DFlashCacheError
 
 CHUNK_RECORDS = 256  # records per task sent to a tokenizer process
+BYTES_PER_TOKEN_LIMIT = 256  # a JSONL line may hold this many bytes per --max-length token ...
+MIN_RECORD_BYTES = 4 << 20  # ... and at least this many
+UNFAITHFUL_EXAMPLES = 5
 
 
 @dataclass
@@ -33,73 +41,158 @@ class Sample:
     loss_mask: np.ndarray  # [T] bool
 
 
+@dataclass(frozen=True)
+class EncodeOptions:
+    """How records become samples (what changes the stored tokens, and what is refused)."""
+
+    max_length: int
+    template_kwargs: dict | None = None  # extra chat-template options (enable_thinking...)
+    strict_template: bool = False  # a template that does not render the data faithfully is an error
+    max_record_bytes: int | None = None  # longer JSONL lines are refused unread; None: from max_length
+
+    def record_bytes(self) -> int:
+        return self.max_record_bytes or max(MIN_RECORD_BYTES, BYTES_PER_TOKEN_LIMIT * self.max_length)
+
+
+@dataclass
+class EncodedRecord:
+    """One record as a sample: ids and mask cut to max_length, and what was found on the way."""
+
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] bool
+    truncated: bool
+    masked: np.ndarray  # [len(KINDS)] masked tokens of each kind (pre-tokenized masks count as content)
+    unfaithful: list[str]
+
+
 @dataclass
 class LoadedData:
     samples: list[Sample]
     num_truncated: int  # samples cut to max_length
     source_hash: str  # sha256 over the bytes of the data files, in the order given
+    bad_records: list[dict] = field(default_factory=list)  # {"where", "reason"} of records left out
+    untrainable: list[dict] = field(default_factory=list)  # {"where", "sample_id"}: nothing to train on
+    unfaithful: int = 0  # conversations the chat template does not render as the data has them
+    unfaithful_examples: list[str] = field(default_factory=list)
+    masked_tokens: dict[str, int] = field(default_factory=dict)  # masked tokens of each kind
 
     def lengths(self) -> np.ndarray:
         return np.array([len(s.input_ids) for s in self.samples], dtype=np.int64)
 
+    def report(self) -> dict:
+        """What the manifest records about the data, besides the samples."""
+        return {
+            "truncated": self.num_truncated,
+            "bad_records": self.bad_records,
+            "untrainable": self.untrainable,
+            "unfaithful": {"count": self.unfaithful, "examples": self.unfaithful_examples},
+            "masked_tokens": self.masked_tokens,
+        }
+
 
 def load_samples(
-    paths: Sequence[str | Path], tokenizer, max_length: int, workers: int = 0
+    paths: Sequence[str | Path], tokenizer, max_length: int, workers: int = 0,
+    options: EncodeOptions | None = None, on_bad_record: str = "error",
 ) -> LoadedData:
     """Read, tokenize and truncate every record of `paths`.
 
     `workers` > 1 tokenizes in that many processes; the result is identical to `workers=0`
     (records are handed out in chunks and collected in order).
     """
+    paths, options = checked_inputs(paths, max_length, options, on_bad_record)
+    data = LoadedData([], 0, hash_files(paths))
+    for kept in stream_samples(data, paths, tokenizer, options, workers, on_bad_record):
+        data.samples.extend(kept)
+    return data
+
+
+def checked_inputs(paths: Sequence[str | Path], max_length: int, options: EncodeOptions | None,
+                   on_bad_record: str) -> tuple[list[Path], EncodeOptions]:
     if not paths:
         raise DFlashCacheError("no data files given")
     if max_length < 1:
         raise DFlashCacheError(f"max length must be at least 1, got {max_length}")
-    paths = [Path(p) for p in paths]
-    source_hash = hash_files(paths)
+    if on_bad_record not in ("error", "skip"):
+        raise DFlashCacheError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
+    return [Path(p) for p in paths], replace(options or EncodeOptions(max_length), max_length=max_length)
+
+
+def stream_samples(data: LoadedData, paths: Sequence[Path], tokenizer, options: EncodeOptions, workers: int,
+                   on_bad_record: str) -> Iterator[list[Sample]]:
+    """The samples kept from `paths`, chunk by chunk in order; what is left out or found on the way
+    (bad records, untrainable samples, truncation, unfaithful renderings, masked kinds) goes to
+    `data`'s report fields as it streams (its `samples` are left alone)."""
     vocab_size = len(tokenizer)
-    chunks = _chunks(_all_records(paths), CHUNK_RECORDS)
-    samples = []
-    num_truncated = 0
-    for encoded in _encode_chunks(chunks, tokenizer, vocab_size, workers):
-        for input_ids, loss_mask in encoded:
-            if len(input_ids) > max_length:
-                input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-                num_truncated += 1
-            samples.append(Sample(len(samples), input_ids, loss_mask))
-    return LoadedData(samples, num_truncated, source_hash)
+    records = _all_records(paths, on_bad_record == "skip", options.record_bytes())
+    masked = np.zeros(len(KINDS), dtype=np.int64)
+    sample_id = 0
+    for chunk in _encode_chunks(_chunks(records, CHUNK_RECORDS), tokenizer, vocab_size, options, workers):
+        kept = []
+        for where, result in chunk:
+            sid, sample_id = sample_id, sample_id + 1
+            if isinstance(result, str):
+                if on_bad_record == "error":
+                    raise DFlashCacheError(f"{where}: {result}")
+                data.bad_records.append({"where": where, "reason": result})
+                continue
+            if result.unfaithful:
+                data.unfaithful += 1
+                if len(data.unfaithful_examples) < UNFAITHFUL_EXAMPLES:
+                    data.unfaithful_examples.append(f"{where}: {'; '.join(result.unfaithful)}")
+            if not result.loss_mask.any():
+                data.untrainable.append({"where": where, "sample_id": sid})
+                continue
+            data.num_truncated += result.truncated
+            masked += result.masked
+            kept.append(Sample(sid, result.input_ids, result.loss_mask))
+        data.masked_tokens = dict(zip(KINDS, masked.tolist()))
+        yield kept
 
 
 def hash_files(paths: Sequence[Path]) -> str:
     digest = hashlib.sha256()
     for path in paths:
+        check_data_file(path)
         try:
             with open(path, "rb") as f:
                 while block := f.read(1 << 22):
                     digest.update(block)
-        except FileNotFoundError:
-            raise DFlashCacheError(f"data file not found: {path}") from None
         except OSError as e:
             raise DFlashCacheError(f"cannot read data file {path}: {e.strerror or e}") from None
     return digest.hexdigest()
 
 
-def encode_record(tokenizer, vocab_size: int, record: Record) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids int32, loss_mask bool) of one record; errors name the record's file and line."""
-    try:
-        if isinstance(record, Conversation):
-            ids, mask = tokenize_conversation(tokenizer, record.messages)
-            return np.array(ids, dtype=np.int32), np.array(mask, dtype=bool)
+def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOptions) -> EncodedRecord:
+    """One record as a sample; errors are DFlashCacheError without the record's place."""
+    if isinstance(record, Conversation):
+        encoded = encode_conversation(tokenizer, record.messages, record.tools, options.template_kwargs)
+        if encoded.unfaithful and options.strict_template:
+            raise DFlashCacheError(f"the chat template does not render this conversation faithfully: {'; '.join(encoded.unfaithful)}")
+        ids, kinds, unfaithful = np.array(encoded.input_ids, dtype=np.int32), encoded.kinds, encoded.unfaithful
+    else:
         check_token_ids(record.input_ids, vocab_size)
-        mask = record.loss_mask if record.loss_mask is not None else np.ones(len(record.input_ids), dtype=bool)
-        return record.input_ids.astype(np.int32), mask
+        ids, unfaithful = record.input_ids.astype(np.int32), []
+        mask = record.loss_mask if record.loss_mask is not None else np.ones(len(ids), dtype=bool)
+        kinds = mask.astype(np.uint8) * (1 + KINDS.index("content"))
+    truncated = len(ids) > options.max_length
+    ids, kinds = ids[: options.max_length], kinds[: options.max_length]
+    masked = np.bincount(kinds, minlength=len(KINDS) + 1)[1:].astype(np.int64)
+    return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful)
+
+
+def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord, options: EncodeOptions) -> tuple[str, EncodedRecord | str]:
+    """(where, the sample or why the record cannot be one)."""
+    if isinstance(record, BadRecord):
+        return record.where, record.reason
+    try:
+        return record.where, encode_record(tokenizer, vocab_size, record, options)
     except DFlashCacheError as e:
-        raise DFlashCacheError(f"{record.where}: {e}") from None
+        return record.where, str(e)
 
 
-def _all_records(paths: Sequence[Path]) -> Iterator[Record]:
+def _all_records(paths: Sequence[Path], skip_bad: bool, max_line_bytes: int) -> Iterator[Record | BadRecord]:
     for path in paths:
-        yield from read_records(path)
+        yield from read_records(path, skip_bad=skip_bad, max_line_bytes=max_line_bytes)
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -109,15 +202,15 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def _encode_chunks(
-    chunks: Iterator[list[Record]], tokenizer, vocab_size: int, workers: int
-) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
+    chunks: Iterator[list[Record | BadRecord]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
+) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
     if workers <= 1:
         for chunk in chunks:
-            yield [encode_record(tokenizer, vocab_size, r) for r in chunk]
+            yield [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]
         return
     # Fork: workers start at once and inherit the tokenizer; they only tokenize, never touch CUDA.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer, vocab_size)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer, vocab_size, options)) as pool:
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks in flight per worker, so memory stays bounded
             pending.append(pool.submit(_encode_in_worker, chunk))
@@ -130,11 +223,11 @@ def _encode_chunks(
 _worker_state: tuple | None = None
 
 
-def _init_worker(tokenizer, vocab_size: int) -> None:
+def _init_worker(tokenizer, vocab_size: int, options: EncodeOptions) -> None:
     global _worker_state
-    _worker_state = (tokenizer, vocab_size)
+    _worker_state = (tokenizer, vocab_size, options)
 
 
-def _encode_in_worker(chunk: list[Record]) -> list[tuple[np.ndarray, np.ndarray]]:
-    tokenizer, vocab_size = _worker_state
-    return [encode_record(tokenizer, vocab_size, r) for r in chunk]
+def _encode_in_worker(chunk: list[Record | BadRecord]) -> list[tuple[str, EncodedRecord | str]]:
+    tokenizer, vocab_size, options = _worker_state
+    return [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]

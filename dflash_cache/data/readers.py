@@ -3,48 +3,50 @@
 Accepted inputs, told apart by their first bytes (not their names):
 - Parquet (`PAR1`) and Arrow IPC, file (`ARROW1`) or stream form: pre-tokenized rows with an
   `input_ids` column (list of integers) and an optional `loss_mask` column (list of 0/1 or bool).
-- Anything else is read as JSONL, one JSON object per line, each being one of
-  `{"messages": [{"role", "content"}...]}`, ShareGPT `{"conversations": [{"from", "value"}...]}`
-  or pre-tokenized `{"input_ids": [...], "loss_mask": [...]}` (loss_mask optional).
-  Blank lines are skipped and are not records.
+- gzip (`1f 8b`): gzip-compressed JSONL.
+- Anything else is read as JSONL (a UTF-8 byte-order mark is allowed), one JSON object per line, each
+  being one of `{"messages": [...]}`, ShareGPT `{"conversations": [{"from", "value"}...]}` or
+  pre-tokenized `{"input_ids": [...], "loss_mask": [...]}` (loss_mask optional). Blank lines are
+  skipped and are not records. The message fields read are in `dflash_cache/data/messages.py`.
 
 A pre-tokenized record without a loss mask trains on every token. Records are yielded in file order;
 problems raise DFlashCacheError naming the file and the line (JSONL) or row/column (Arrow, Parquet).
+With `skip_bad`, a line that is not a valid record (or is longer than `max_line_bytes`) is yielded as
+a BadRecord instead, so the caller can count it and go on.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dflash_cache.data.messages import parse_conversation, show
 from dflash_cache.errors import DFlashCacheError, first_line
 
-ROLES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-}
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"
 PARQUET_MAGIC = b"PAR1"
+PARQUET_BATCH_ROWS = 1024  # pyarrow's default, 65,536 rows of ~2,600 tokens, is 1.4 GB held at once
+GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
+READ_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: list[dict[str, str]]  # [{"role": user|assistant|system|tool, "content": str}]
+    messages: list[dict]  # normalised messages (data/messages.py), as the chat template reads them
     where: str  # "file:line", for error messages
+    tools: list[dict] | None = None  # the conversation's tool definitions, passed to the template
 
 
 @dataclass(frozen=True)
@@ -54,12 +56,43 @@ class TokenRecord:
     where: str  # "file:line" or "file row N"
 
 
+@dataclass(frozen=True)
+class BadRecord:
+    """A line that is not a usable record, when the caller asked to skip such lines."""
+
+    where: str
+    reason: str
+
+
 Record = Conversation | TokenRecord
 
 
-def read_records(path: str | Path) -> Iterator[Record]:
+def check_data_file(path: str | Path) -> None:
+    """A `--data` path must be a regular file: it is read more than once (hash, then records)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DFlashCacheError(f"data file {path} does not exist") from None
+    except OSError as e:
+        raise DFlashCacheError(f"cannot read data file {path}: {e.strerror or e}") from None
+    if stat.S_ISFIFO(mode):
+        raise DFlashCacheError(
+            f"data file {path} is a pipe (a FIFO or <(...)), which can be read only once; the data is hashed "
+            "and then read, so write it to a file first"
+        )
+    if stat.S_ISDIR(mode):
+        raise DFlashCacheError(f"data file {path} is a directory; give the files in it")
+    if not stat.S_ISREG(mode):
+        raise DFlashCacheError(f"data file {path} is not a regular file")
+
+
+def read_records(
+    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None
+) -> Iterator[Record | BadRecord]:
     """Yield every record of one data file, in order; an empty file is an error."""
     path = Path(path)
+    check_data_file(path)
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -72,7 +105,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
     elif head.startswith((ARROW_FILE_MAGIC, ARROW_STREAM_MAGIC)):
         records = _read_arrow(path)
     else:
-        records = _read_jsonl(path)
+        records = _read_jsonl(path, head.startswith(GZIP_MAGIC), skip_bad, max_line_bytes)
     count = 0
     for record in records:
         count += 1
@@ -81,94 +114,110 @@ def read_records(path: str | Path) -> Iterator[Record]:
         raise DFlashCacheError(f"data file {path} has no records")
 
 
-def _show(value: object, limit: int = 40) -> str:
-    """A user value quoted on one line and cut short, for error messages."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ---- JSONL ----------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path) -> Iterator[Record]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DFlashCacheError(f"{where}: not valid UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DFlashCacheError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except RecursionError:
-                raise DFlashCacheError(f"{where}: JSON nested too deeply") from None
-            yield _parse_object(obj, where)
+def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int | None) -> Iterator[Record | BadRecord]:
+    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+        try:
+            for lineno, raw in _lines(f, max_line_bytes):
+                where = f"{path}:{lineno}"
+                try:
+                    record = _parse_line(raw, lineno, where, max_line_bytes)
+                except DFlashCacheError as e:
+                    if not skip_bad:
+                        raise
+                    record = BadRecord(where, str(e)[len(where) + 2 :])
+                if record is not None:
+                    yield record
+        except (gzip.BadGzipFile, EOFError, OSError) as e:
+            raise DFlashCacheError(f"{path}: unreadable gzip data ({first_line(e)})") from None
+
+
+def _lines(f: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) per line; None for a line longer than `max_line_bytes`, which is read
+    through in blocks and never held whole, so one huge line costs no more memory than the limit."""
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
+    lineno = 0
+    while True:
+        raw = f.readline(limit)
+        if not raw:
+            return
+        lineno += 1
+        if raw.endswith(b"\n") or max_line_bytes is None or len(raw) <= max_line_bytes:
+            yield lineno, raw
+            continue
+        while not raw.endswith(b"\n"):
+            raw = f.readline(READ_BLOCK)
+            if not raw:
+                break
+        yield lineno, None
+
+
+def _parse_line(raw: bytes | None, lineno: int, where: str, max_line_bytes: int | None) -> Record | None:
+    if raw is None:
+        raise DFlashCacheError(
+            f"{where}: the line is longer than {max_line_bytes:,} bytes, the limit for this --max-length "
+            "(raise it with --max-record-bytes, or split the record)"
+        )
+    if lineno == 1 and raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM) :]
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DFlashCacheError(f"{where}: not valid UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DFlashCacheError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DFlashCacheError(f"{where}: JSON nested too deeply") from None
+    try:
+        return _parse_object(obj, where)
+    except DFlashCacheError as e:
+        raise DFlashCacheError(f"{where}: {e}") from None
 
 
 def _parse_object(obj: object, where: str) -> Record:
     if not isinstance(obj, dict):
         hint = " (a JSON array file? write one object per line)" if isinstance(obj, list) else ""
-        raise DFlashCacheError(f"{where}: expected a JSON object, found {type(obj).__name__}{hint}")
+        raise DFlashCacheError(f"expected a JSON object, found {type(obj).__name__}{hint}")
     forms = [key for key in ("messages", "conversations", "input_ids") if key in obj]
     if len(forms) != 1:
         found = "none" if not forms else " and ".join(forms)
         raise DFlashCacheError(
-            f"{where}: a record needs exactly one of 'messages', 'conversations' or 'input_ids' (found {found})"
+            f"a record needs exactly one of 'messages', 'conversations' or 'input_ids' (found {found})"
         )
     if forms[0] == "input_ids":
-        ids = _int_list(obj["input_ids"], "input_ids", where)
+        ids = _int_list(obj["input_ids"], "input_ids")
         mask = obj.get("loss_mask")
         if mask is not None:
-            mask = _mask_list(mask, len(ids), where)
+            mask = _mask_list(mask, len(ids))
         return TokenRecord(ids, mask, where)
-    role_key, content_key = ("role", "content") if forms[0] == "messages" else ("from", "value")
-    return Conversation(_parse_turns(obj[forms[0]], forms[0], role_key, content_key, where), where)
+    messages, tools = parse_conversation(obj, forms[0])
+    return Conversation(messages, where, tools)
 
 
-def _parse_turns(turns: object, field: str, role_key: str, content_key: str, where: str) -> list[dict[str, str]]:
-    if not isinstance(turns, list) or not turns:
-        raise DFlashCacheError(f"{where}: '{field}' must be a non-empty list of turns")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise DFlashCacheError(f"{where}: {field}[{i}] must be an object, found {type(turn).__name__}")
-        role, content = turn.get(role_key), turn.get(content_key)
-        if not isinstance(role, str) or role not in ROLES:
-            known = ", ".join(sorted(ROLES))
-            raise DFlashCacheError(f"{where}: {field}[{i}] has unknown role {_show(role)} (known: {known})")
-        if not isinstance(content, str):
-            raise DFlashCacheError(f"{where}: {field}[{i}].{content_key} must be a string, found {_show(content)}")
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError:
-            raise DFlashCacheError(f"{where}: {field}[{i}].{content_key} is not valid Unicode") from None
-        messages.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DFlashCacheError(f"{where}: the conversation has no assistant turn, so nothing to train on")
-    return messages
-
-
-def _int_list(value: object, field: str, where: str) -> np.ndarray:
+def _int_list(value: object, field: str) -> np.ndarray:
     if not isinstance(value, list) or not value:
-        raise DFlashCacheError(f"{where}: '{field}' must be a non-empty list of integers")
+        raise DFlashCacheError(f"'{field}' must be a non-empty list of integers")
     for v in value:
         if not isinstance(v, int) or isinstance(v, bool):
-            raise DFlashCacheError(f"{where}: '{field}' holds {_show(v)}, not an integer")
+            raise DFlashCacheError(f"'{field}' holds {show(v)}, not an integer")
     try:
         return np.array(value, dtype=np.int64)
     except OverflowError:
-        raise DFlashCacheError(f"{where}: '{field}' holds an integer too large for a token id") from None
+        big = next(v for v in value if not -(2**63) <= v < 2**63)
+        raise DFlashCacheError(f"'{field}' holds {big}, an integer too large for a token id") from None
 
 
-def _mask_list(value: object, length: int, where: str) -> np.ndarray:
+def _mask_list(value: object, length: int) -> np.ndarray:
     if not isinstance(value, list) or any(v not in (0, 1) or isinstance(v, float) for v in value):
-        raise DFlashCacheError(f"{where}: 'loss_mask' must be a list of 0/1 or true/false")
+        raise DFlashCacheError("'loss_mask' must be a list of 0/1 or true/false")
     if len(value) != length:
-        raise DFlashCacheError(f"{where}: 'loss_mask' has {len(value)} entries but 'input_ids' has {length}")
+        raise DFlashCacheError(f"'loss_mask' has {len(value)} entries but 'input_ids' has {length}")
     return np.array(value, dtype=bool)
 
 
@@ -182,7 +231,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
-    yield from _read_batches(_guard(file.iter_batches(columns=columns), path), path)
+    yield from _read_batches(_guard(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path)
 
 
 def _read_arrow(path: Path) -> Iterator[Record]:
@@ -256,6 +305,9 @@ def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[Tok
                 if row_mask.dtype != bool and not np.isin(row_mask, (0, 1)).all():
                     raise DFlashCacheError(f"{where}: 'loss_mask' holds values other than 0 and 1")
                 row_mask = row_mask.astype(bool)
+            if row_ids.dtype == np.uint64 and (row_ids > np.iinfo(np.int64).max).any():
+                position = int((row_ids > np.iinfo(np.int64).max).argmax())
+                raise DFlashCacheError(f"{where}: token id {int(row_ids[position])} at position {position} is too large for a token id")
             yield TokenRecord(row_ids.astype(np.int64), row_mask, where)
         row += batch.num_rows
 

@@ -10,9 +10,10 @@ from safetensors.torch import save_file
 
 from dflash_cache.drafter.checkpoint import load_drafter_state
 from dflash_cache.drafter.reference import config_to_reference
+from dflash_cache.choices import EXPORT_DTYPES
 from dflash_cache.errors import DFlashCacheError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cache.choices import TARGET_DTYPES
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.decode import (
     Generation,
@@ -33,7 +34,7 @@ from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import Target, load_target
 from dflash_cache.live import target_head
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in TARGET_DTYPES}
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`extract`: plan the work, hand it to one process per device, and finalise the manifest.
 
 Batches are planned once over the whole dataset, deterministically from the data, and batch i goes
-to rank i mod world. A sample is therefore always computed in the same batch, padded the same way,
-whatever the number of processes: a resumed run, with the same or another process count, stores
+to rank i mod world. A batch is a packed row (extract/packing.py), or a padded batch of one of a few
+fixed shapes for targets that cannot run packed (extract/buckets.py). A sample is therefore always
+computed in the same batch, laid out the same way, whatever the number of processes: a resumed run, with the same or another process count, stores
 the very same tensors as an uninterrupted one.
 
 `--out` may be an fsspec URL (s3://bucket/prefix): shards are then written to a local staging folder
@@ -23,7 +24,9 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
-from dflash_cache.data.dataset import load_samples
+from dflash_cache.data.dataset import EncodeOptions, LoadedData
+from dflash_cache.data.readers import check_data_file
+from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.data.plan import shard_for_rank
 from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.buckets import BucketLayout
@@ -32,7 +35,7 @@ from dflash_cache.extract.varlen import packed_support
 from dflash_cache.extract.warmup import start_background_warmup
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.lock import CacheLock
-from dflash_cache.extract.spec import make_spec
+from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
@@ -60,7 +63,12 @@ class ExtractOptions:
     on_bad_sample: str = "error"
     max_shard_bytes: int = 512 << 20
     compress_threads: int | None = None
-    tokenize_workers: int = 0
+    tokenize_workers: int | None = None  # tokenizer processes; None: one per core, 0 or 1: the main process
+    tokenized_dir: Path | None = None  # where tokenized data is kept and reused (None: data.tokenized default)
+    on_bad_record: str = "error"  # a record that cannot be used: stop naming file:line, or skip and list it
+    chat_template_kwargs: dict | None = None  # extra chat-template options (enable_thinking...), part of the spec
+    strict_template: bool = False  # a template that does not render a conversation faithfully is a bad record
+    max_record_bytes: int | None = None  # longer JSONL lines are bad records; None: from max_length
     batching: str = "auto"  # packed | padded | auto (packed where the target supports it exactly)
     kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see extract/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
@@ -76,6 +84,8 @@ class ExtractSummary:
     skipped: int
     ranks: list[RankSummary] = field(default_factory=list)
     already_complete: bool = False
+    bad_records: int = 0  # records left out by --on-bad-record skip (listed in the manifest)
+    untrainable: int = 0  # samples left out with nothing to train on within --max-length
     manifest: dict | None = None
 
 
@@ -110,9 +120,10 @@ def _check_options(opts: ExtractOptions) -> None:
         raise DFlashCacheError(f"--batching must be auto, packed or padded, got {opts.batching!r}")
     if opts.on_bad_sample not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
+    if opts.on_bad_record not in ("error", "skip"):
+        raise DFlashCacheError(f"--on-bad-record must be error or skip, got {opts.on_bad_record!r}")
     for path in opts.data:
-        if not Path(path).is_file():
-            raise DFlashCacheError(f"data file {path} does not exist")
+        check_data_file(path)
 
 
 def _exists(store: Path | RemoteDir, rel: str) -> bool:
@@ -148,9 +159,13 @@ def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length
 
 
 def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None,
-            on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None) -> ExtractSummary:
+            on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None,
+            on_data: Callable[[LoadedData], None] = lambda data: None,
+            on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
     """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens,
-    layout)` is called once with the work left to do and how the target will run it."""
+    layout)` is called once with the work left to do and how the target runs it, `on_data` once with the loaded data (to report it),
+    `on_tokenize(samples, tokens)` as data is tokenized (not at all when the tokenized data is kept
+    from an earlier run)."""
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
@@ -177,11 +192,19 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             warmup = start_background_warmup(Path(opts.target), PackedLayout(opts.token_budget), devices[0],
                                              opts.kernel_cache, info.config.get_text_config())
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
-        data = load_samples(opts.data, tokenizer, opts.max_length, workers=opts.tokenize_workers)
-        if not data.samples:
-            raise DFlashCacheError("the data files hold no samples")
-        layout = choose_layout(info, opts.batching, opts.token_budget, opts.max_length, int(data.lengths().max()))
+        encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
+        data = tokenized_data(opts.data, tokenizer, opts.max_length, tokenizer_hash(Path(opts.target)), opts.tokenized_dir,
+                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize)
+        on_data(data.info)
+        if not len(data.sample_ids):
+            raise DFlashCacheError(
+                f"the data files hold no samples with tokens to train on ({len(data.info.bad_records)} bad records, "
+                f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
+            )
+        layout = choose_layout(info, opts.batching, opts.token_budget, opts.max_length, int(data.lengths.max()))
         spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, layout)
+        if opts.chat_template_kwargs:
+            spec["chat_template_kwargs"] = opts.chat_template_kwargs
         state = read_journals(store)
         if state.spec is not None and state.spec != spec:
             diffs = "; ".join(spec_differences(state.spec, spec))
@@ -195,11 +218,10 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         else:
             _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
         done = state.done_sample_ids()
-        all_ids = [s.sample_id for s in data.samples]
-        batches = layout.plan(all_ids, data.lengths().tolist())
-        by_id = {s.sample_id: s for s in data.samples}
-        left = [s for s in data.samples if s.sample_id not in done]
-        on_plan(len(left), sum(len(s.input_ids) for s in left), layout.describe())
+        all_ids = data.sample_ids.tolist()
+        batches = layout.plan(all_ids, data.lengths.tolist())
+        left = [i for i, sid in enumerate(all_ids) if sid not in done]
+        on_plan(len(left), int(data.lengths[left].sum()), layout.describe())
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
         for rank, device in zip(rank_ids, devices):
@@ -207,7 +229,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             jobs.append(
                 RankJob(
                     root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, layout=layout, batches=mine,
-                    samples={sid: by_id[sid] for batch in mine for sid in batch},
+                    samples=data.samples(sid for batch in mine for sid in batch),  # read when the rank needs them
                     done={sid for batch in mine for sid in batch if sid in done},
                     first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
@@ -217,7 +239,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, all_ids, data.num_truncated)
+        manifest = _finalise(store, all_ids, data.info.report())
     finally:
         if warmup is not None and warmup.is_alive():
             warmup.kill()
@@ -228,22 +250,24 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         tokens=sum(s.tokens for s in summaries),
         bytes=sum(s.bytes for s in summaries),
         wall_s=time.perf_counter() - started,
-        truncated=data.num_truncated,
+        truncated=data.info.num_truncated,
         skipped=sum(len(s.skipped) for s in summaries),
         ranks=summaries,
+        bad_records=len(data.info.bad_records),
+        untrainable=len(data.info.untrainable),
         already_complete=not left,
         manifest=manifest,
     )
 
 
-def _finalise(store: Path | RemoteDir, all_ids: list[int], truncated: int) -> dict | None:
+def _finalise(store: Path | RemoteDir, all_ids: list[int], report: dict) -> dict | None:
     """Write the manifest once the journals cover every sample and the target head is there (under
     torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes)."""
     state = read_journals(store)
     missing = set(all_ids) - state.done_sample_ids()
     if missing or not _exists(store, HEAD):
         return None
-    manifest = build_manifest(state, {"extract": {"truncated": truncated}})
+    manifest = build_manifest(state, {"extract": report})
     if isinstance(store, RemoteDir):
         write_remote_manifest(store, manifest)
     else:

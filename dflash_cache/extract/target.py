@@ -69,14 +69,21 @@ def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype
     )
 
 
-def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_draft_layers: int | None) -> list[int]:
-    """The target layers to capture: an explicit list, or N spread evenly over layers 1..num_layers-3.
+DEFAULT_DRAFT_LAYERS = 5
 
-    The spread follows the reference DFlash code (`build_target_layer_ids`), including Python's
-    round-half-to-even, so drafters trained here line up with its checkpoints.
+
+def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_draft_layers: int | None) -> list[int]:
+    """The target layers to capture: an explicit list, or N chosen by rule (None: the default N).
+
+    N = 1 takes the middle layer (num_layers // 2). Otherwise, when layers 1..num_layers-3 hold N
+    distinct ones, N are spread evenly over them, as the reference DFlash code does
+    (`build_target_layer_ids`, Python's round-half-to-even included), so drafters trained here line up
+    with its checkpoints. A shallower target gets N spread evenly over all its layers 0..num_layers-1
+    (the reference rule would repeat layers there). The default N is 5, or every layer of a target
+    with fewer.
     """
-    if (layers is None) == (num_draft_layers is None):
-        raise DFlashCacheError("give either --layers or --num-draft-layers, not both and not neither")
+    if layers is not None and num_draft_layers is not None:
+        raise DFlashCacheError("give either --layers or --num-draft-layers, not both")
     if layers is not None:
         if not layers:
             raise DFlashCacheError("--layers is empty; give at least one target layer index")
@@ -86,13 +93,12 @@ def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_draft_layer
         if any(a >= b for a, b in zip(layers, layers[1:])):
             raise DFlashCacheError(f"--layers must be strictly increasing without repeats, got {layers}")
         return list(layers)
-    n = num_draft_layers
+    n = min(DEFAULT_DRAFT_LAYERS, num_layers) if num_draft_layers is None else num_draft_layers
+    if not 1 <= n <= num_layers:
+        raise DFlashCacheError(
+            f"--num-draft-layers {n} does not fit a {num_layers}-layer target: use 1..{num_layers} or pass --layers"
+        )
     if n == 1:
         return [num_layers // 2]
-    most = num_layers - 3  # distinct ids available in 1..num_layers-3
-    if not 1 <= n <= most:
-        raise DFlashCacheError(
-            f"--num-draft-layers {n} does not fit a {num_layers}-layer target: use 1..{max(most, 1)} or pass --layers"
-        )
-    start, span = 1, num_layers - 4
-    return [round(start + i * span / (n - 1)) for i in range(n)]
+    start, end = (1, num_layers - 3) if num_layers - 3 >= n else (0, num_layers - 1)
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode, decompress, encoded_size
 from dflash_cache.store.fetch import ShardFetcher
 from dflash_cache.store.manifest import read_manifest, read_remote_manifest
+from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.remote import RangeFile, RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import ShardReader, ShardRecord, StoredRow
 
@@ -43,7 +42,9 @@ class CachedSample:
 class Cache:
     """A complete cache. Opening reads only the manifest; rows are read one record batch at a time."""
 
-    def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None):
+    def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
+                 pool: ShardPool | None = None):
+        """`pool`: the open shard readers, shared between caches read together (default: one of its own)."""
         self.remote = RemoteDir(str(root)) if is_remote(root) else None
         self.root: Path | str = self.remote.url if self.remote else local_path(root)
         self.manifest = read_remote_manifest(self.remote) if self.remote else read_manifest(self.root)
@@ -59,8 +60,8 @@ class Cache:
                     raise DFlashCacheError(f"{self.root}: sample {sid} appears in two shards")
                 self._where[sid] = (s, r)
                 self._lengths[sid] = n
-        self._readers: dict[int, ShardReader] = {}
-        self._lock = threading.Lock()
+        self._own_pool = pool is None
+        self._pool = ShardPool() if pool is None else pool
         self._fetcher = None
         if self.remote is not None and local_dir is not None:
             self._fetcher = ShardFetcher(self.remote, local_dir, local_bytes, on_evict=self._forget)
@@ -97,20 +98,9 @@ class Cache:
         except FileNotFoundError:
             raise DFlashCacheError(f"{self.shard_name(shard_index)}: shard listed in the manifest is missing") from None
 
-    def _reader(self, shard_index: int) -> ShardReader:
-        with self._lock:
-            reader = self._readers.get(shard_index)
-        if reader is None:  # opened outside the lock: a remote shard may take a while to fetch
-            reader = self._open_shard(shard_index)
-            with self._lock:
-                reader = self._readers.setdefault(shard_index, reader)
-        return reader
-
     def _forget(self, shard_path: str) -> None:
-        """Drop the reader of a shard the local folder evicted (not closed: a thread may be reading it)."""
-        with self._lock:
-            for s in [s for s in self._readers if self.shards[s].path == shard_path]:
-                del self._readers[s]
+        """Drop the reader of a shard the local folder evicted (closed once no thread reads it)."""
+        self._pool.forget(lambda key: key[0] is self and self.shards[key[1]].path == shard_path)
 
     @contextmanager
     def local_copy(self, shard_index: int) -> Iterator[Path]:
@@ -145,12 +135,17 @@ class Cache:
             self._target_dir = folder
         return self._target_dir
 
+    def location(self, sample_id: int) -> tuple[int, int]:
+        """(shard index, row) of a sample."""
+        return self._where[sample_id]
+
     def read_stored(self, sample_id: int) -> StoredRow:
         """The row as stored (compressed), checksum verified. Safe to call from several threads."""
         if sample_id not in self._where:
             raise KeyError(sample_id)
         s, r = self._where[sample_id]
-        row = self._reader(s).row(r)
+        with self._pool.reader((self, s), lambda: self._open_shard(s)) as reader:
+            row = reader.row(r)  # its buffers stay valid after the pool closes the shard
         path = self.shard_name(s)
         if row.sample_id != sample_id:
             raise DFlashCacheError(f"{path}: row {r} holds sample {row.sample_id}, the manifest says {sample_id}")
@@ -160,6 +155,8 @@ class Cache:
 
     def decode_planes(self, row: StoredRow) -> tuple[np.ndarray, torch.Tensor | None]:
         """Decompress a stored row's hidden payload: (uint8 planes, fp32 scales or None)."""
+        import torch  # here, not at the top: opening a cache (`inspect`) needs no torch
+
         n = len(row.input_ids)
         planes = decompress(row.hidden, self.codec, encoded_size(self.codec, n, self.width))
         scales = None
@@ -168,6 +165,8 @@ class Cache:
         return planes, scales
 
     def __getitem__(self, sample_id: int) -> CachedSample:
+        import torch
+
         row = self.read_stored(sample_id)
         planes, scales = self.decode_planes(row)
         n = len(row.input_ids)
@@ -184,12 +183,13 @@ class Cache:
         )
 
     def close(self) -> None:
-        with self._lock:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
+        if self._own_pool:
+            self._pool.close()
+        else:
+            self._pool.forget(lambda key: key[0] is self)
 
 
-def open_cache(path: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None) -> Cache:
+def open_cache(path: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
+               pool: ShardPool | None = None) -> Cache:
     """A cache at a local path, a `file://` URL or any fsspec URL (`s3://bucket/prefix`, `gs://...`)."""
-    return Cache(path, local_dir, local_bytes)
+    return Cache(path, local_dir, local_bytes, pool)

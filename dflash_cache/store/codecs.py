@@ -21,12 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import zstandard
 
+from dflash_cache.choices import CODECS
 from dflash_cache.errors import DFlashCacheError
 
-CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ZSTD_LEVEL = 1  # measured: level 1 is faster than 3 and no larger on byte-split activations
 
@@ -45,6 +44,8 @@ class EncodedHidden:
 
 def encode(hidden: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
     """Turn a bf16 [T, L*H] tensor into the bytes that get compressed (on hidden's device)."""
+    import torch  # here, not at the top: reading a manifest (`inspect`) needs no torch
+
     if hidden.dtype != torch.bfloat16 or hidden.dim() != 2:
         raise ValueError(f"expected a 2-d bf16 tensor, got {hidden.dtype} {tuple(hidden.shape)}")
     if codec == "bf16":
@@ -63,6 +64,8 @@ def encode(hidden: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
 
 def decode(planes: torch.Tensor, scales: torch.Tensor | None, codec: str, num_tokens: int, width: int) -> torch.Tensor:
     """Inverse of `encode`: bf16 [num_tokens, width] on planes' device."""
+    import torch
+
     n = num_tokens * width
     if codec == "bf16":
         return planes.view(torch.bfloat16).reshape(num_tokens, width)

@@ -7,9 +7,11 @@ reader is concerned; a rerun deletes such leftovers.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import resource
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -315,6 +317,18 @@ def _binary_value(column: pa.Array) -> memoryview | None:
     return memoryview(data or b"")[int(start) : int(end)]
 
 
+def exhausted_limit(e: OSError) -> str | None:
+    """The one-line message for a process limit that opening a shard ran into, with how to raise it."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (f"out of file descriptors opening a shard (ulimit -n is {soft}): raise it (`ulimit -n 65536`), "
+                "or lower --max-open-shards")
+    if e.errno == errno.ENOMEM or "Cannot allocate memory" in str(e):  # pyarrow's mmap failure has no errno
+        return ("cannot memory-map a shard (out of memory maps or address space): raise `sysctl vm.max_map_count` "
+                "(default 65530) or `ulimit -v`, or lower --max-open-shards")
+    return None
+
+
 class ShardReader:
     """Random access to the rows of one shard file without reading the whole file: memory-mapped, or
     through `source` (a file-like object of a remote shard, read by byte ranges)."""
@@ -326,7 +340,9 @@ class ShardReader:
             self._reader = pa.ipc.open_file(self._source)
         except FileNotFoundError:
             raise  # the caller names the missing shard
-        except (OSError, pa.ArrowInvalid) as e:
+        except OSError as e:
+            raise DFlashCacheError(exhausted_limit(e) or f"{self.path}: cannot open shard ({e})") from None
+        except pa.ArrowInvalid as e:
             raise DFlashCacheError(f"{self.path}: cannot open shard ({e})") from None
         if not self._reader.schema.equals(ROW_SCHEMA):
             raise DFlashCacheError(f"{self.path}: unexpected schema")

@@ -13,10 +13,11 @@ from pathlib import Path
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store import Cache, open_cache
 from dflash_cache.store.manifest import spec_differences
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS, ShardPool
 from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from.
-FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length"}
+FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs"}
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:
@@ -30,11 +31,14 @@ def is_held_out(sample_id: int, fraction: float) -> bool:
 class CacheSet:
     """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
 
-    def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None):
-        """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache)."""
+    def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None,
+                 max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS):
+        """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache);
+        `max_open_shards`: the most shards open at once, over all the caches (store.pool)."""
         if not paths:
             raise DFlashCacheError("no cache given: pass --cache CACHE")
-        self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes) for p in paths]
+        self.pool = ShardPool(max_open_shards)
+        self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes, self.pool) for p in paths]
         first = self.caches[0]
         for cache in self.caches[1:]:
             diff = spec_differences(first.spec, cache.spec, FREE_SPEC_FIELDS)
@@ -87,6 +91,11 @@ class CacheSet:
             (held_out if is_held_out(sid, eval_fraction) else train).append(key)
         return train, held_out
 
+    def read_order(self, key: int) -> tuple[int, int, int]:
+        """(cache, shard, row) of a key: reading a batch's rows in this order reads each shard's rows together."""
+        c, sid = self.entries[key]
+        return (c, *self.caches[c].location(sid))
+
     def read(self, key: int) -> StoredRow:
         c, sid = self.entries[key]
         return self.caches[c].read_stored(sid)
@@ -94,3 +103,4 @@ class CacheSet:
     def close(self) -> None:
         for cache in self.caches:
             cache.close()
+        self.pool.close()

@@ -20,8 +20,10 @@ from dflash_cache.errors import DFlashCacheError
 
 class EpochPlan:
     def __init__(self, keys: Sequence[int], lengths: Sequence[int], token_budget: int, seed: int,
-                 world: int, grad_accum: int):
-        """`keys`: the samples to train on; `lengths[key]`: their lengths (indexed by key)."""
+                 world: int, grad_accum: int, epoch_steps: dict[int, int] | None = None):
+        """`keys`: the samples to train on; `lengths[key]`: their lengths (indexed by key);
+        `epoch_steps`: steps per epoch already counted by another plan of the same run (`epoch_steps`),
+        so that a rank does not plan every epoch again before its first step."""
         self.keys = list(keys)
         self.lengths = lengths
         self.token_budget = token_budget
@@ -29,12 +31,15 @@ class EpochPlan:
         self.world = world
         self.grad_accum = grad_accum
         self.batches = lru_cache(maxsize=2)(self._batches)
+        self.epoch_steps: dict[int, int] = dict(epoch_steps or {})
 
     def _batches(self, epoch: int) -> list[list[int]]:
         return plan_batches(self.keys, [self.lengths[k] for k in self.keys], self.token_budget, self.seed, epoch)
 
     def steps_in_epoch(self, epoch: int) -> int:
-        return len(self.batches(epoch)) // (self.world * self.grad_accum)
+        if epoch not in self.epoch_steps:
+            self.epoch_steps[epoch] = len(self.batches(epoch)) // (self.world * self.grad_accum)
+        return self.epoch_steps[epoch]
 
     def rank_batches(self, epoch: int, rank: int) -> list[list[int]]:
         """This rank's batches of `epoch`, in step order (`grad_accum` per step)."""

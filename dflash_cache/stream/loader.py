@@ -142,7 +142,9 @@ class Loader:
     def _fill(self) -> None:
         while self._todo and len(self._host) < self.prefetch:
             batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity)
-            futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in range(len(batch.keys))]
+            # Rows in shard order: a shard's rows in this batch are read while it is open in the pool.
+            order = sorted(range(len(batch.keys)), key=lambda i: self.caches.read_order(batch.keys[i]))
+            futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in order]
             self._host.append((batch, futures))
 
     def _head_ready(self, block: bool) -> bool:

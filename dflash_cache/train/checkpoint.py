@@ -77,7 +77,8 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint of a run, oldest first."""
     root = Path(run_dir) / CHECKPOINT_DIR
     found = []
     if root.is_dir():
@@ -85,7 +86,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             match = _NAME.fullmatch(path.name)
             if match and (path / COMPLETE).is_file():
                 found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder `step-N` holds."""
+    return int(_NAME.fullmatch(Path(path).name).group(1))
 
 
 def remove_partial(run_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 
 
 @dataclass
@@ -18,20 +19,20 @@ class TrainConfig:
     num_draft_layers: int | None = None
     target_gpus: list[int] | None = None  # the target's GPU for each local rank; None: each rank's own device
     max_length: int = 8192
-    exact_target: bool = False  # one sample per target forward: bit-exact against a --token-budget 1 cache
-    drafter: str = "qwen3.6-27b"  # a preset name or a JSON file of drafter config fields
+    exact_target: bool = False  # one sample per target forward: bit-exact against a --batching padded --token-budget 1 cache
+    drafter: str = "target"  # "target" (the target's own shape), a preset name or a JSON file of config fields
     gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
     cpu_procs: int = 0  # > 0: train on the CPU with this many processes (gloo DDP), GPUs or not
     epochs: int | None = None  # neither epochs nor steps: one epoch
     steps: int | None = None
-    token_budget: int = 49152  # tokens per micro-batch on each rank
+    token_budget: int | None = None  # tokens per micro-batch on each rank; None: the device type's default
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup: int | None = None  # warmup steps; None: 4% of the run
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     grad_accum: int = 1
-    max_anchors: int = 512
+    max_anchors: int | None = None  # blocks per sequence; None: the device type's default
     gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
     labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
     compile: bool = False
@@ -39,6 +40,7 @@ class TrainConfig:
     eval_fraction: float = 0.01
     eval_every: int = 500
     save_every: int = 1000  # 0: no checkpoints at all (a throughput experiment; it cannot be resumed)
+    keep_last: int = 0  # keep only the newest N complete checkpoints; 0: every one
     log_every: int = 1  # progress lines (metrics.jsonl gets every step regardless)
     resume: bool = False
     seed: int = 0
@@ -48,15 +50,18 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a rank stuck this long in a collective is an error
     local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
     local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
+    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS  # shard files open at once on each rank (store.pool)
 
     def check(self) -> None:
         self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
                     "eval_every": self.eval_every, "log_every": self.log_every,
-                    "prefetch": self.prefetch, "workers": self.workers}
+                    "prefetch": self.prefetch, "workers": self.workers, "max_open_shards": self.max_open_shards}
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.keep_last < 0:
+            raise DFlashCacheError(f"--keep-last must be at least 0 (got {self.keep_last})")
         if self.save_every < 0:
             raise DFlashCacheError(f"--save-every must be at least 0 (got {self.save_every})")
         if self.epochs is not None and self.steps is not None:

@@ -17,7 +17,7 @@ def progress_line(record: dict, total_steps: int) -> str:
         f"loss {record['loss']:.4f}",
         f"tau {record['tau']:.3f}",
         f"acc1 {record['acc_1']:.3f}",
-        f"{record['tokens_per_s'] / 1000:.1f}k tok/s",
+        tokens_per_s(record["tokens_per_s"]),
         f"lr {record['lr']:.2e}",
     ]
     if record.get("gpu_mem_gib") is not None:
@@ -25,6 +25,10 @@ def progress_line(record: dict, total_steps: int) -> str:
     if record.get("skipped"):
         parts.append(f"skipped {record['skipped']}")
     return " | ".join(parts)
+
+
+def tokens_per_s(rate: float) -> str:
+    return f"{rate / 1000:,.1f}k tok/s" if rate >= 1000 else f"{rate:,.0f} tok/s"
 
 
 def eval_line(record: dict) -> str:

@@ -12,6 +12,7 @@ from dflash_cache.drafter.config import (
     adapt_to_cache,
     load_drafter_config,
 )
+from dflash_cache.drafter.defaults import TARGET, target_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
@@ -34,10 +35,13 @@ def tokenizer_mask_token(target_dir: Path) -> int | None:
 
 
 def drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tuple[DrafterConfig, list[str]]:
-    """The drafter config fitted to the target of a cache spec (a preset adapts; a JSON file must already
-    match), and one line per change. The mask token is the tokenizer's if it declares one."""
-    config = load_drafter_config(name_or_path)
+    """The drafter config fitted to the target of a cache spec (`target`: the target's own shape; a preset
+    adapts; a JSON file must already match), and one line per change. The mask token is the tokenizer's
+    if it declares one."""
     mask = tokenizer_mask_token(tokenizer_dir)
+    if str(name_or_path) == TARGET:
+        return target_drafter_config(tokenizer_dir, spec["layer_ids"], mask), []
+    config = load_drafter_config(name_or_path)
     return adapt_to_cache(config, target_hidden_size=spec["target"]["hidden_size"],
                           vocab_size=spec["target"]["vocab_size"],
                           mask_token_id=config.mask_token_id if mask is None else mask,

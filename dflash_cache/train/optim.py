@@ -27,7 +27,40 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class Schedule:
+    """Sets every parameter group's learning rate to its base rate times `lr_factor` of the step about to
+    run. A function of the step count alone: a step skipped for a non-finite loss still moves the
+    schedule on, without pretending an optimizer step happened (torch's LR schedulers warn when
+    stepped without one). Its state is the step count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+        self.optimizer = optimizer
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
+        self.steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = lr_factor(self.steps, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        # `last_epoch`: a checkpoint written when this was torch's LambdaLR, which counts steps the same way.
+        self.steps = int(state["steps"] if "steps" in state else state["last_epoch"])
+        self._apply()
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, min_lr_ratio))
+                    min_lr_ratio: float = 0.1) -> Schedule:
+    return Schedule(optimizer, warmup_steps, total_steps, min_lr_ratio)

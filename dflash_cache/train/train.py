@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dflash_cache import faults
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.stream.epochs import (
@@ -32,7 +34,18 @@ from dflash_cache.stream.epochs import (
     batch_seed,
     held_out_batches,
 )
+from dflash_cache.train.budget import (
+    available_bytes,
+    check_fits,
+    device_defaults,
+    estimate_step_memory,
+    gb,
+    head_bytes,
+    is_out_of_memory,
+    out_of_memory,
+)
 from dflash_cache.train.checkpoint import (
+    checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
     remove_partial,
@@ -54,6 +67,7 @@ from dflash_cache.train.distributed import (
 from dflash_cache.train.metrics import MetricsLog
 from dflash_cache.train.model import build_drafter, drafter_config_for
 from dflash_cache.train.optim import build_optimizer, build_scheduler
+from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
 
@@ -63,8 +77,8 @@ STATS = 6
 
 
 def train(cfg: TrainConfig, echo: Echo = print) -> None:
-    """Check everything that can be checked up front, then run every rank (spawned, or this process)."""
-    cfg.check()
+    """Check everything that can be checked up front, then run every rank (spawned, or this process).
+    Options left None (token budget, max anchors) take the defaults of the device type."""
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -72,19 +86,34 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
             device = f"cuda:{cfg.gpus[local] if cfg.gpus else local}"
         else:
             device = "cpu"
+        cfg = with_device_defaults(cfg, torch.device(device).type)
+        cfg.check()
         check_target_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if rank == 0:
-            prepare(cfg, world, echo)
-        run_rank(rank, world, device, cfg, echo, local)
+        # Every rank goes on even when the run is finished (its loop is then empty): the others wait for rank 0.
+        epoch_steps = prepare(cfg, world, echo) if rank == 0 else None
+        run_rank(rank, world, device, cfg, echo, local, epoch_steps)
         return
+    cfg.check_source()
     devices = plan_devices(cfg.gpus, cfg.cpu_procs)
+    cfg = with_device_defaults(cfg, torch.device(devices[0]).type)
+    cfg.check()
     check_target_gpus(cfg, len(devices))
-    prepare(cfg, len(devices), echo)
-    launch(run_rank, devices, (cfg, echo))
+    epoch_steps = prepare(cfg, len(devices), echo)
+    if epoch_steps is None:
+        return
+    launch(run_rank, devices, (cfg, echo, None, epoch_steps))
 
 
-def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
-    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan."""
+def with_device_defaults(cfg: TrainConfig, device_type: str) -> TrainConfig:
+    token_budget, max_anchors = device_defaults(device_type)
+    return replace(cfg, token_budget=token_budget if cfg.token_budget is None else cfg.token_budget,
+                   max_anchors=max_anchors if cfg.max_anchors is None else cfg.max_anchors)
+
+
+def prepare(cfg: TrainConfig, world: int, echo: Echo) -> dict[int, int] | None:
+    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan.
+    Returns the steps of each epoch counted, for the ranks not to plan every epoch again; None when
+    there is nothing to do (a resumed run that is already finished)."""
     source = open_source(cfg)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
@@ -93,38 +122,57 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> None:
         checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         train_keys, eval_keys = source.split(cfg.eval_fraction)
         plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
+        plan_lines = plan.describe(0)  # before the other epochs are counted, while epoch 0 is still cached
         total = plan.total_steps(cfg.epochs, cfg.steps)
         for note in notes:
             echo(f"drafter config: {note}")
+        echo(describe_drafter(config))
         echo(f"{source.describe()}: {len(train_keys)} to train on, "
-             f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps")
-        for line in plan.describe(0):
+             f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
+             f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence")
+        for line in plan_lines:
             echo(line)
         if checkpoint is not None:
-            echo(f"resuming from {checkpoint}")
+            done = checkpoint_step(checkpoint)
+            if done >= total:
+                echo(f"{cfg.out} is finished: {checkpoint.name} is its last step ({total}), nothing to train. To train "
+                     "further, start a new run in another --out with more --steps or --epochs.")
+                return None
+            echo(f"resuming from {checkpoint} (step {done} of {total})")
+        return plan.epoch_steps
     finally:
         source.close()
+    return False
 
 
-def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None) -> None:
-    """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index)."""
+def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None,
+             epoch_steps: dict[int, int] | None = None) -> None:
+    """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index);
+    `epoch_steps`: from `prepare` in this run."""
     me = init_rank(rank, world, device, cfg.collective_timeout_s)
     try:
         source = open_source(cfg, target_device(cfg, rank if local is None else local, device))
-        run(me, cfg, echo if me.is_main else None, source)
+        run(me, cfg, echo if me.is_main else None, source, epoch_steps)
     finally:
         shutdown()
 
 
-def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source) -> None:
+def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_steps: dict[int, int] | None = None) -> None:
     """This rank's training loop, fed by `source` (closed at the end)."""
     out = Path(cfg.out)
     train_keys, eval_keys = source.split(cfg.eval_fraction)
-    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum)
+    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum, epoch_steps)
     total = plan.total_steps(cfg.epochs, cfg.steps)
     held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
 
     config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
+    memory = estimate_step_memory(config, head_bytes(config), [[source.lengths[k] for k in b] for b in plan.batches(0)],
+                                  cfg.max_anchors, me.device.type, training=True)
+    have, what = available_bytes(me.device)
+    if echo is not None:
+        echo(f"memory: {memory.describe()}; {gb(have)} {what}")
+    share = me.world if me.device.type == "cpu" else 1  # CPU ranks share this machine's RAM
+    check_fits(memory, me.device, cfg.token_budget, cfg.max_anchors, (have // share, what))
     model = build_drafter(config, source.head(me.device), me.device, cfg.seed)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * total)
@@ -187,14 +235,14 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source) -> None:
                         if log is not None:
                             log.eval({"step": step, **result})
                     if cfg.save_every and (step % cfg.save_every == 0 or step == total):
-                        save(out, model, optimizer, scheduler, position, me)
+                        save(out, model, optimizer, scheduler, position, me, cfg.keep_last)
                         saved_at = step
                     tick = time.perf_counter()
             if position["epoch_step"] * cfg.grad_accum >= len(batches):
                 position["epoch"] += 1
                 position["epoch_step"] = 0
         if cfg.save_every and saved_at != position["step"]:
-            save(out, model, optimizer, scheduler, position, me)
+            save(out, model, optimizer, scheduler, position, me, cfg.keep_last)
     finally:
         if log is not None:
             log.close()
@@ -219,9 +267,11 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
                     out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
                 (out.loss / len(micro)).backward()
-        except torch.OutOfMemoryError:
-            raise DFlashCacheError(f"out of GPU memory at step {step + 1} on {describe_batch(batch, source)}; "
-                                   "lower --token-budget or --max-anchors") from None
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise DFlashCacheError(out_of_memory(me.device, f"at step {step + 1} on {describe_batch(batch, source)}",
+                                                 cfg.token_budget, cfg.max_anchors)) from None
         stats += torch.stack([out.loss.detach().double(), (out.tau * out.num_blocks).double(),
                               out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
                               torch.tensor(float(batch.num_tokens), device=me.device, dtype=torch.float64)])
@@ -255,8 +305,14 @@ def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, li
         for (index, _), batch in zip(held_out, loader):
             generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator)
-            with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+            try:
+                with torch.autocast(me.device.type, dtype=torch.bfloat16):
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise DFlashCacheError(out_of_memory(me.device, f"evaluating {describe_batch(batch, source)}",
+                                                     cfg.token_budget, cfg.max_anchors)) from None
             stats += torch.stack([out.loss.double(), (out.tau * out.num_blocks).double(), out.num_blocks.double(),
                                   out.correct[0].double(), out.total[0].double(),
                                   torch.tensor(1.0, device=me.device, dtype=torch.float64)])
@@ -279,7 +335,8 @@ def step_record(stats: list[float], grad_norm: float, lr: float, seconds: float,
     return record
 
 
-def save(out: Path, model, optimizer, scheduler, position: dict, me: Rank) -> None:
+def save(out: Path, model, optimizer, scheduler, position: dict, me: Rank, keep_last: int) -> None:
     rngs = all_gather_objects(rng_state())
     if me.is_main:
         save_checkpoint(out, position["step"], model, optimizer, scheduler, dict(position), rngs)
+        prune_checkpoints(out, keep_last)

@@ -1,0 +1,295 @@
+"""Scale on the CPU: the data front end at 10K-1M samples, and training's start on 100,000 shards.
+
+    PYTHONPATH=. python benchmarks/scale.py [--sizes 10000,100000,1000000] [--world 8] [--work DIR]
+                                            [--shards 100000] [--json FILE]
+
+1. Tokenization throughput: the bundled conversations (examples/assets/data/train.jsonl, repeated to
+   --tokenize-records records) through the bundled tokenizer (examples/assets/target), building the
+   tokenized-data cache with 1 process, 2 and every core: tokens/s, and the factor over one process.
+2. For each size N: a synthetic pre-tokenized Arrow file of N samples, lengths lognormal around 2,600
+   tokens (median 2,600, sigma 0.6, cut to 1..8192). `extract` runs as each of --world torchrun ranks
+   in turn (RANK/WORLD_SIZE set, one process at a time: the machine has 2 cores), and once as a single
+   process, up to the point where the worker would load the target: the plan is made and the rank's
+   samples are ready (the worker's first pass over them, the sizes of its batches, is done, and the
+   first batch's tokens are read). The target's loading is left out. Reported per rank: seconds from
+   the process start to that point, and peak resident memory (ru_maxrss), for a fresh extraction
+   (rank 0 tokenizes; in a real torchrun the other ranks wait for it, here they run after it) and for a
+   resumed one (journals list half the samples as committed; the tokenized data exists). For N <=
+   100,000 also the old front end's figure: every sample tokenized and held in one process.
+3. Time to the first training step on a cache of --shards one-row shards (tiny rows: the manifest's
+   size and the first batch's reads are measured, not the rows' decompression), with the tiny test drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "examples" / "assets"
+TARGET = ASSETS / "target"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(args: list[str], env: dict | None = None) -> dict:
+    """Run this script in a fresh process with `args`; its last stdout line is a JSON result."""
+    result = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    if result.returncode != 0:
+        raise RuntimeError(f"{args}: {result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- 1. tokenization throughput -------------------------------------------------------------------
+
+
+def tokenize_throughput(work: Path, records: int) -> dict:
+    lines = (ASSETS / "data" / "train.jsonl").read_text().splitlines()
+    data = work / "conversations.jsonl"
+    with open(data, "w") as f:
+        for i in range(records):
+            f.write(lines[i % len(lines)] + "\n")
+    cores = os.cpu_count() or 1
+    rows = {}
+    for workers in sorted({1, 2, cores}):
+        rows[workers] = child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)])
+    one = rows[1]["tokens_per_s"]
+    return {"records": records, "cores": cores,
+            "runs": [{**r, "workers": w, "factor": r["tokens_per_s"] / one} for w, r in rows.items()]}
+
+
+def run_child_tokenize(data: str, folder: str, workers: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from dflash_cache.data.tokenized import tokenized_data
+    from dflash_cache.extract.spec import tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
+    started = time.perf_counter()
+    out = tokenized_data([data], tokenizer, 8192, tokenizer_hash(TARGET), Path(folder), workers=workers)
+    seconds = time.perf_counter() - started
+    tokens = int(out.lengths.sum())
+    return {"samples": len(out.lengths), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+# ---- 2. the front end of an extraction --------------------------------------------------------------
+
+
+def synthetic_data(path: Path, samples: int, vocab: int, seed: int = 0) -> int:
+    """Pre-tokenized Arrow IPC file, written in chunks; returns its tokens."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(2600), 0.6, samples)), 1, 8192).astype(np.int64)
+    schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for start in range(0, samples, 4096):
+            part = lengths[start : start + 4096]
+            offsets = np.concatenate([[0], np.cumsum(part)]).astype(np.int32)
+            values = rng.integers(0, vocab, int(offsets[-1]), dtype=np.int32)
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))], schema))
+    return int(lengths.sum())
+
+
+def run_child_extract(data: str, out: str, tokenized: str) -> dict:
+    """`extract` up to the worker's start; prints seconds since this process started and peak RSS."""
+    import dflash_cache.extract.pipeline as pipeline
+
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+
+    def first_forward(jobs, on_progress):
+        job = jobs[0]
+        # What the worker does before its first forward: the size of its largest batch over its samples,
+        # then the first batch's tokens, to the device.
+        largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
+        first = sum(int(job.samples[sid].input_ids.sum() >= 0) for sid in job.batches[0]) if job.batches else 0
+        probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb(), rank=job.rank,
+                     batches=len(job.batches), samples=len(job.samples), largest_batch=largest, first_batch=first,
+                     spec=job.spec)
+        raise SystemExit(0)
+
+    pipeline._run_jobs = first_forward
+    opts = pipeline.ExtractOptions(target=TARGET, data=[Path(data)], out=Path(out), layers=[1, 2],
+                                   token_budget=49152, max_length=8192, tokenized_dir=Path(tokenized))
+    try:
+        pipeline.extract(opts)
+    except SystemExit:
+        pass
+    return probe
+
+
+def run_child_old_front_end(data: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from dflash_cache.data.dataset import load_samples
+
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+    tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
+    data = load_samples([data], tokenizer, 8192)
+    return {**probe, "seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb(), "samples": len(data.samples)}
+
+
+def write_half_journal(out: Path, spec: dict, samples: int) -> None:
+    """Journals of a run that committed the first half of the samples (100 per shard record). The
+    shard files themselves are not needed before the first forward of a resumed run."""
+    from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, shard_name
+
+    (out / JOURNAL_DIR).mkdir(parents=True, exist_ok=True)
+    with open(out / JOURNAL_DIR / "r0.jsonl", "w") as f:
+        f.write(json.dumps({"spec": spec}) + "\n")
+        for index, start in enumerate(range(0, samples // 2, 100)):
+            ids = list(range(start, min(start + 100, samples // 2)))
+            record = {"path": f"{SHARD_DIR}/{shard_name(0, index)}", "rows": len(ids), "tokens": len(ids),
+                      "bytes": 1, "hidden_bytes": 1, "sha256": "0" * 64, "sample_ids": ids, "num_tokens": [1] * len(ids)}
+            f.write(json.dumps({"shard": record}) + "\n")
+
+
+def front_end(work: Path, samples: int, world: int) -> dict:
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(TARGET, local_files_only=True))
+    folder = work / f"front-{samples}"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "data.arrow"
+    started = time.perf_counter()
+    tokens = synthetic_data(data, samples, vocab)
+    result = {"samples": samples, "tokens": tokens, "data_gb": data.stat().st_size / 1e9,
+              "write_data_s": time.perf_counter() - started}
+    tokenized = folder / "tokenized"
+    ranks = lambda out: [child(["--child-extract", str(data), str(out), str(tokenized)],  # noqa: E731
+                               {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}) for r in range(world)]
+    result["fresh"] = ranks(folder / "fresh")
+    result["single_process"] = child(["--child-extract", str(data), str(folder / "single"), str(tokenized)])
+    write_half_journal(folder / "resumed", result["single_process"].pop("spec"), samples)
+    result["resumed"] = ranks(folder / "resumed")
+    for r in result["fresh"] + result["resumed"]:
+        r.pop("spec", None)
+    if samples <= 100_000:
+        result["old_front_end"] = child(["--child-old", str(data)])
+    shutil.rmtree(folder)
+    return result
+
+
+# ---- 3. time to the first training step ---------------------------------------------------------------
+
+
+def first_step(work: Path, shards: int) -> dict:
+    from tests.cachegen import random_spec, write_one_row_shards
+    from tests.test_train_helpers import HIDDEN, LAYERS, VOCAB, drafter_json, write_head
+
+    cache = work / "shards-cache"
+    started = time.perf_counter()
+    lengths = [16 + i % 49 for i in range(shards)]
+    write_one_row_shards(cache, lengths, random_spec(layer_ids=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB))
+    write_head(cache)
+    drafter_json(work / "drafter.json")
+    written = time.perf_counter() - started
+    result = child(["--child-train", str(cache), str(work / "run"), str(work / "drafter.json")])
+    manifest_mb = (cache / "manifest.json").stat().st_size / 1e6
+    shutil.rmtree(cache)
+    return {"shards": shards, "write_s": written, "manifest_mb": manifest_mb, **result}
+
+
+def run_child_train(cache: str, out: str, drafter: str) -> dict:
+    import dflash_cache.train.train as train_module
+    from dflash_cache.train.config import TrainConfig
+
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+    real_step = train_module.train_step
+
+    def step(*args, **kwargs):
+        if "seconds" not in probe:
+            probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb())
+        return real_step(*args, **kwargs)
+
+    train_module.train_step = step
+    cfg = TrainConfig(caches=[cache], out=out, drafter=drafter, cpu_procs=1, token_budget=4096, steps=1,
+                      max_anchors=8, eval_fraction=0.0, save_every=0)
+    train_module.train(cfg, echo=lambda line: None)
+    return probe
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+
+
+def figures(r: dict) -> str:
+    """Time from the process start (of which imports) and peak RSS (of which after the imports)."""
+    return (f"{r['seconds']:.1f} s ({r['seconds'] - r['import_s']:.1f} s after imports), peak {r['peak_rss_mb']:,.0f} MB "
+            f"(+{r['peak_rss_mb'] - r['import_rss_mb']:,.0f} MB over imports)")
+
+
+def worst(rows: list[dict]) -> str:
+    slowest = max(rows, key=lambda r: r["seconds"] - r["import_s"])
+    biggest = max(rows, key=lambda r: r["peak_rss_mb"] - r["import_rss_mb"])
+    return (f"{slowest['seconds'] - slowest['import_s']:.1f} s after imports, "
+            f"+{biggest['peak_rss_mb'] - biggest['import_rss_mb']:,.0f} MB over imports")
+
+
+def report(results: dict) -> list[str]:
+    lines = []
+    t = results["tokenize"]
+    lines.append(f"tokenization, {t['records']} bundled conversations, {t['cores']} cores:")
+    for r in t["runs"]:
+        lines.append(f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
+                     f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process")
+    for f in results["front_end"]:
+        lines.append(f"front end, {f['samples']:,} samples, {f['tokens']:,} tokens ({f['data_gb']:.1f} GB of data):")
+        for name in ("fresh", "resumed"):
+            rows = f[name]
+            lines.append(f"  {name:8s} rank 0: {figures(rows[0])}; ranks 1-{len(rows) - 1}, worst: {worst(rows[1:])}")
+        lines.append(f"  single process (tokenized data kept): {figures(f['single_process'])}")
+        if "old_front_end" in f:
+            lines.append(f"  old front end, one process tokenizing and holding every sample: {figures(f['old_front_end'])}")
+    s = results.get("first_step")
+    if s:
+        lines.append(f"first training step, {s['shards']:,} one-row shards ({s['manifest_mb']:.0f} MB manifest): {figures(s)}")
+    return lines
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("--child-"):
+        kind, rest = sys.argv[1], sys.argv[2:]
+        run = {"--child-tokenize": lambda: run_child_tokenize(rest[0], rest[1], int(rest[2])),
+               "--child-extract": lambda: run_child_extract(*rest), "--child-old": lambda: run_child_old_front_end(*rest),
+               "--child-train": lambda: run_child_train(*rest)}[kind]
+        print(json.dumps(run()))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--tokenize-records", type=int, default=20_000)
+    parser.add_argument("--shards", type=int, default=100_000)
+    parser.add_argument("--work", type=Path, help="Scratch folder (default: a temporary one, deleted after).")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="dflash-scale-", dir=args.work))
+    try:
+        results = {"tokenize": tokenize_throughput(work, args.tokenize_records), "front_end": []}
+        print("\n".join(report(results)), flush=True)
+        for size in (int(s) for s in args.sizes.split(",") if s):
+            results["front_end"].append(front_end(work, size, args.world))
+            print("\n".join(report(results)[-6:]), flush=True)
+        if args.shards:
+            results["first_step"] = first_step(work, args.shards)
+        print("\n" + "\n".join(report(results)))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The tokenized-data cache: `--data` tokenized once, kept, and reused by resumes and later runs.
+
+Tokenizing a million conversations takes hours of one core, so it is done once per (data files,
+tokenizer files, max_length, tokenization code) and kept in `--tokenized-dir` as an Arrow IPC file
+(`sample_id` int64, `input_ids` list<int32>, `loss_mask` list<bool>; a record batch per chunk of
+records tokenized, the kept samples in id order), which `extract --data` also reads. A JSON file
+beside it, written last, says it is complete and holds the data's report (records left out, and why). Building it streams: records are tokenized in a process pool (one process per core by
+default) and written chunk by chunk, so memory holds a few chunks and the lengths, not the data.
+
+Reading it holds only the lengths (4 bytes a sample, for the plan) until a rank asks for its own
+samples: `TokenizedData.samples(ids)` is a mapping that reads a sample from the memory-mapped file
+when it is looked up, and pickles as (path, ids), so a spawned rank receives no sample at all.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields as dataclass_fields
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_cache.data import dataset, messages, readers, tokenize
+from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
+from dflash_cache.errors import DFlashCacheError
+
+FORMAT = 1
+SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
+                    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+                    pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False)])
+FILE_HASHES = "file-hashes.json"
+
+
+def default_tokenized_dir() -> Path:
+    """$DFLASH_CACHE_TOKENIZED_DIR, else dflash-cache/tokenized in the user's cache folder."""
+    if folder := os.environ.get("DFLASH_CACHE_TOKENIZED_DIR"):
+        return Path(folder)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-cache" / "tokenized"
+
+
+def _code_hash() -> str:
+    """The code that turns records into tokens: a change to it (a chat-template fix) must not be
+    served ids tokenized by the old code."""
+    sha = hashlib.sha256()
+    for module in (readers, messages, tokenize, dataset):
+        sha.update(Path(module.__file__).read_bytes())
+    return sha.hexdigest()
+
+
+@dataclass
+class TokenizedData:
+    path: Path  # the Arrow IPC file
+    sample_ids: np.ndarray  # int64 [N], increasing: the samples kept (a record left out keeps its id unused)
+    lengths: np.ndarray  # int64 [N]: tokens of each (after truncation)
+    batch_starts: np.ndarray  # int64: the first row of each record batch
+    info: LoadedData  # the data's hash and report; its samples are in the file, not here
+
+    @property
+    def source_hash(self) -> str:
+        return self.info.source_hash
+
+    def samples(self, ids: Iterable[int]) -> SampleStore:
+        """A mapping of the samples `ids` (all kept), each read from the file when looked up."""
+        ids = np.unique(np.fromiter(ids, dtype=np.int64))
+        rows = np.searchsorted(self.sample_ids, ids)
+        if len(ids) and (rows.max() >= len(self.sample_ids) or not np.array_equal(self.sample_ids[rows], ids)):
+            raise KeyError("a sample id that the tokenized data does not hold")
+        return SampleStore(self.path, ids, rows, self.batch_starts)
+
+
+class SampleStore(Mapping[int, Sample]):
+    """Samples of a tokenized file, read when looked up (safe from several threads)."""
+
+    def __init__(self, path: Path, ids: np.ndarray, rows: np.ndarray, batch_starts: np.ndarray):
+        self.path = Path(path)
+        self.ids, self.rows, self.batch_starts = ids, rows, batch_starts
+        self._reader: pa.ipc.RecordBatchFileReader | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "ids": self.ids, "rows": self.rows, "batch_starts": self.batch_starts}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reader, self._lock = None, threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids.tolist())
+
+    def __contains__(self, sample_id: object) -> bool:
+        i = np.searchsorted(self.ids, sample_id)
+        return bool(i < len(self.ids) and self.ids[i] == sample_id)
+
+    def __getitem__(self, sample_id: int) -> Sample:
+        i = np.searchsorted(self.ids, sample_id)
+        if not (i < len(self.ids) and self.ids[i] == sample_id):
+            raise KeyError(sample_id)
+        row = int(self.rows[i])
+        b = int(np.searchsorted(self.batch_starts, row, side="right")) - 1
+        with self._lock:
+            if self._reader is None:
+                self._reader = pa.ipc.open_file(pa.memory_map(str(self.path)))
+            batch = self._reader.get_batch(b)
+        r = row - int(self.batch_starts[b])
+        input_ids = batch.column(1)[r].values.to_numpy()  # a view of the mapped file
+        loss_mask = batch.column(2)[r].values.to_numpy(zero_copy_only=False)
+        return Sample(int(sample_id), input_ids, loss_mask)
+
+
+def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, tokenizer_hash: str,
+                   folder: Path | None = None, workers: int | None = None, options: EncodeOptions | None = None,
+                   on_bad_record: str = "error",
+                   on_progress: Callable[[int, int], None] = lambda samples, tokens: None) -> TokenizedData:
+    """The tokenized data of `paths` (as `load_samples` makes it), built on first use
+    (`on_progress(samples, tokens)` as it goes); `workers`: tokenizer processes (None: one per core;
+    0 or 1: this process). Processes asking for the same data at once (torchrun ranks) build it
+    once: the others wait for it."""
+    paths, options = checked_inputs(paths, max_length, options, on_bad_record)
+    folder = Path(folder) if folder is not None else default_tokenized_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashCacheError(f"cannot create the tokenized-data folder {folder} ({e.strerror}); "
+                               "pass --tokenized-dir DIR") from None
+    source_hash = _source_hash(paths, folder)
+    fields = {"format": FORMAT, "source_hash": source_hash, "tokenizer_hash": tokenizer_hash,
+              "options": asdict(options), "on_bad_record": on_bad_record, "code_hash": _code_hash()}
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    with open(folder / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        data = _open(folder, key, fields)
+        if data is None:
+            _build(folder, key, fields, paths, tokenizer, options, on_bad_record,
+                   (os.cpu_count() or 1) if workers is None else workers, on_progress)
+            data = _open(folder, key, fields)
+    if data is None:
+        raise DFlashCacheError(f"{folder / key}.arrow was written but does not read back; delete it and rerun")
+    return data
+
+
+def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
+    """The complete tokenized file of `key`, or None (absent, unfinished, or not what its JSON says)."""
+    path, info_path = folder / f"{key}.arrow", folder / f"{key}.json"
+    try:
+        info = json.loads(info_path.read_text())
+        if not isinstance(info, dict) or any(info.get(k) != v for k, v in fields.items()):
+            return None
+        report = {f.name: info["report"][f.name] for f in dataclass_fields(LoadedData) if f.name != "samples"}
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        if not reader.schema.equals(SCHEMA):
+            return None
+        ids, lengths, starts = [], [], [0]
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            ids.append(batch.column(0).to_numpy())
+            lengths.append(np.diff(batch.column(1).offsets.to_numpy()))
+            starts.append(starts[-1] + batch.num_rows)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
+        return None
+    sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, dtype=np.int64)
+    if len(sample_ids) != info["rows"] or np.any(np.diff(sample_ids) <= 0):
+        return None
+    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
+    return TokenizedData(path, sample_ids, lengths, np.array(starts[:-1], dtype=np.int64),
+                         LoadedData([], **report))
+
+
+def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, options: EncodeOptions,
+           on_bad_record: str, workers: int, on_progress: Callable[[int, int], None]) -> None:
+    path = folder / f"{key}.arrow"
+    tmp = path.with_suffix(f".arrow.tmp{os.getpid()}")
+    report = LoadedData([], 0, fields["source_hash"])
+    rows = 0
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            for kept in stream_samples(report, paths, tokenizer, options, workers, on_bad_record):
+                if kept:
+                    writer.write_batch(_record_batch(kept))
+                rows += len(kept)
+                on_progress(len(kept), sum(len(s.input_ids) for s in kept))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        info = {**fields, "rows": rows, "report": {k: v for k, v in asdict(report).items() if k != "samples"}}
+        info_tmp = folder / f"{key}.json.tmp{os.getpid()}"
+        info_tmp.write_text(json.dumps(info, sort_keys=True) + "\n")
+        os.replace(info_tmp, folder / f"{key}.json")
+    except OSError as e:
+        raise DFlashCacheError(f"writing the tokenized data to {folder} failed ({e.strerror or e}); free space "
+                               "there or pass --tokenized-dir DIR") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+        pa.default_memory_pool().release_unused()  # the pool keeps its peak resident otherwise
+
+
+def _record_batch(samples: list[Sample]) -> pa.RecordBatch:
+    offsets = pa.array(np.concatenate([[0], np.cumsum([len(s.input_ids) for s in samples])]).astype(np.int32))
+    values = pa.array(np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False))
+    mask_values = pa.array(np.concatenate([s.loss_mask for s in samples]).astype(bool, copy=False), pa.bool_())
+    return pa.RecordBatch.from_arrays(
+        [pa.array([s.sample_id for s in samples], pa.int64()), pa.ListArray.from_arrays(offsets, values),
+         pa.ListArray.from_arrays(offsets, mask_values)], schema=SCHEMA)
+
+
+def _source_hash(paths: list[Path], folder: Path) -> str:
+    """`hash_files(paths)`, remembered in `folder` by the files' (path, size, mtime, inode): a resume
+    does not read terabytes of data again to hash them."""
+    try:
+        stats = [(str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino) for p in paths for st in [p.stat()]]
+    except FileNotFoundError as e:
+        raise DFlashCacheError(f"data file not found: {e.filename}") from None
+    key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+    memo_path = folder / FILE_HASHES
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    found = memo.get(key)
+    if isinstance(found, str) and len(found) == 64:
+        return found
+    digest = hash_files(paths)
+    memo[key] = digest
+    tmp = memo_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(memo))
+    os.replace(tmp, memo_path)
+    return digest

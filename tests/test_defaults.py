@@ -1,0 +1,91 @@
+"""Defaults that fit the target and the machine: the drafter from the target, device defaults, the
+memory check before the first step, checkpoint retention."""
+
+import pytest
+import torch
+
+from dflash_cache import DFlashCacheError
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.defaults import describe_drafter, parameter_count, target_drafter_config
+from dflash_cache.train import budget
+from dflash_cache.train.budget import StepMemory, activation_bytes, batch_anchors, check_fits, estimate_step_memory
+from dflash_cache.train.checkpoint import complete_checkpoints, latest_checkpoint
+from dflash_cache.train.train import train
+from tests.test_train_helpers import make_cache, tiny_config
+from tests.tiny import build_target
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("cache") / "c")
+
+
+def test_the_default_drafter_takes_the_targets_shape(tmp_path):
+    target = build_target(tmp_path / "t", "qwen3", num_layers=4)  # hidden 64, FFN 128, 4 heads / 2 KV of 16
+    config = target_drafter_config(target, [0, 1, 2, 3], mask_token_id=5)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads) == (64, 128, 4)
+    assert (config.num_key_value_heads, config.head_dim, config.num_hidden_layers, config.block_size) == (2, 16, 5, 16)
+    assert (config.target_layer_ids, config.num_target_layers, config.mask_token_id) == ([0, 1, 2, 3], 4, 5)
+    assert config.layer_types == ["full_attention"] * 5 and config.preset == "target"
+
+
+def test_parameter_count_by_hand():
+    config = DrafterConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=4, vocab_size=50, target_layer_ids=[0, 1, 2])
+    # fc 24x8; per layer q 8x8, k 8x4, v 8x4, o 8x8, q/k norms 4+4, MLP 3x8x12, two norms 8+8; hidden_norm, norm 8+8.
+    per_layer = 64 + 32 + 32 + 64 + 8 + 288 + 16
+    assert parameter_count(config) == 24 * 8 + 2 * per_layer + 16
+    assert describe_drafter(config).endswith(f"{parameter_count(config) / 1e6:,.2f}M parameters")
+
+
+def test_anchor_bound_and_dense_pairs_by_hand():
+    # Sequences of 20, 10 and 3 tokens, block 4: candidates 17, 7, 0; at most 8 per sequence -> 8 + 7.
+    assert batch_anchors([20, 10, 3], 4, 8) == 15
+    config = DrafterConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=4, vocab_size=50, block_size=4, target_layer_ids=[0])
+    # The dense mask grid of 10 anchors x 4 = 40 queries over 100 + 40 keys, 10 bytes a pair.
+    grid = activation_bytes(config, 100, 10, dense_mask=True, training=True) - activation_bytes(
+        config, 100, 10, dense_mask=False, training=True)
+    assert grid == 40 * 140 * 10
+
+
+def test_a_step_that_cannot_fit_is_refused_with_the_options_to_lower():
+    memory = StepMemory(weights=10**9, head=10**8, activations=4 * 10**9, tokens=2048, blocks=300)
+    check_fits(memory, torch.device("cpu"), 2048, 8, (6 * 10**9, "of RAM available"))  # fits
+    with pytest.raises(DFlashCacheError, match=r"needs about 5.10 GB per step .* there is 2.00 GB of RAM available; "
+                                               r"lower --token-budget \(now 2,048\) or --max-anchors \(now 8\)"):
+        check_fits(memory, torch.device("cpu"), 2048, 8, (2 * 10**9, "of RAM available"))
+
+
+def test_train_refuses_before_the_first_step(tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (1000, "of RAM available"))
+    monkeypatch.setattr("dflash_cache.train.train.available_bytes", lambda device: (1000, "of RAM available"))
+    with pytest.raises(DFlashCacheError, match="there is 0.0 MB of RAM available; lower --token-budget"):
+        train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
+    assert latest_checkpoint(tmp_path / "run") is None
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_estimate_grows_with_the_budget(cache):
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3])
+    small = estimate_step_memory(config, 0, [[40, 23], [57]], 8, "cpu", training=True)
+    large = estimate_step_memory(config, 0, [[40, 23, 57, 31]], 8, "cpu", training=True)
+    assert (small.tokens, small.blocks) == (63, 16) and (large.tokens, large.blocks) == (151, 32)
+    assert large.activations > small.activations and large.weights == small.weights
+
+
+def test_device_defaults_fill_only_what_is_not_given(tmp_path, cache):
+    lines = []
+    train(tiny_config(tmp_path, cache, steps=1, token_budget=None, max_anchors=None), echo=lines.append)
+    assert any("steps of 2,048 tokens per batch, at most 8 blocks per sequence" in line for line in lines), lines
+    assert any(line.startswith("memory: about ") and "of RAM available" in line for line in lines), lines
+    assert any(line.startswith("drafter (a JSON file): 2 layers") for line in lines), lines
+
+
+def test_keep_last_keeps_the_newest_checkpoints(tmp_path, cache):
+    train(tiny_config(tmp_path, cache, steps=5, save_every=1, keep_last=2), echo=lambda s: None)
+    assert [step for step, _ in complete_checkpoints(tmp_path / "run")] == [4, 5]
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
+    train(tiny_config(tmp_path, cache, out="all", steps=3, save_every=1), echo=lambda s: None)
+    assert [step for step, _ in complete_checkpoints(tmp_path / "all")] == [1, 2, 3]
