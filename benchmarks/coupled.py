@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.plan import plan_batches
+from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.target import Target
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
@@ -88,13 +89,15 @@ def train_coupled(cfg: TrainConfig, target: Target, device: str) -> None:
 
 
 def extract_cache(cfg: TrainConfig, target: Target, root: Path, tokens: int) -> tuple[float, int]:
-    """The samples `cfg` trains on, extracted as `extract --token-budget TOKENS --codec bf16-zstd` would
-    (its per-rank loop, one rank); returns (seconds, bytes stored)."""
+    """The samples `cfg` trains on, extracted as `extract --batching padded --token-budget TOKENS --codec
+    bf16-zstd` would (its per-rank loop, one rank; padded, as the live target runs); returns (seconds,
+    bytes stored)."""
     live = open_source(cfg, target=target).live
     samples = {s.sample_id: s for s in live.samples}
-    batches = plan_batches(list(samples), live.lengths, tokens, seed=None)
+    layout = BucketLayout(tokens, max(live.lengths))
+    batches = layout.plan(list(samples), live.lengths)
     job = RankJob(root=root, target_path=target.path, device=str(live.device), rank=0, spec={**live.spec, "codec": CODEC},
-                  batches=batches, samples=samples, done=set(), first_shard_index=0, compress_threads=8,
+                  layout=layout, batches=batches, samples=samples, done=set(), first_shard_index=0, compress_threads=8,
                   write_target_files=True)
     start = time.perf_counter()
     with torch.cuda.device(live.device) if live.device.type == "cuda" else nullcontext():  # the worker's streams
