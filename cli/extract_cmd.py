@@ -37,8 +37,9 @@ from dflash_cache_cli.options import INT_LIST, LAYER_RULE
               help='Extra chat-template options as a JSON object, e.g. \'{"enable_thinking": false}\' (part of the cache spec).')
 @click.option("--strict-template", is_flag=True, help="A conversation the chat template does not render as the data has it (reasoning or tool calls dropped, prompts that are not prefixes) is a bad record, not a warning.")
 @click.option("--max-record-bytes", type=click.IntRange(min=1), help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.")
+@click.option("--skip-weights-hash", is_flag=True, help="Identify the target's weights by their sizes, safetensors headers and 1 MiB sampled from each file, instead of hashing every byte once (recorded in the cache spec).")
 def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers,
-            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes):
+            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes, skip_weights_hash):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -54,7 +55,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
         on_bad_record=on_bad_record, chat_template_kwargs=template_kwargs, strict_template=strict_template,
         max_record_bytes=max_record_bytes,
-        tokenized_dir=tokenized_dir,
+        tokenized_dir=tokenized_dir, hash_weights=not skip_weights_hash,
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
@@ -114,7 +115,8 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
     try:
-        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize)
+        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize,
+                          on_note=lambda line: click.echo(f"note: {line}", err=True))
     finally:
         close_progress()
     if bar is not None:

@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 from dflash_cache.extract.info import TargetInfo
+from dflash_cache.extract.weights import weights_digest
 
 HIDDEN_DTYPE = "bfloat16"
 
@@ -20,12 +21,16 @@ def tokenizer_hash(target_path: Path) -> str:
     return sha.hexdigest()
 
 
-def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int) -> dict:
+def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int,
+              token_budget: int | None, hash_weights: bool = True) -> dict:
+    """`token_budget`: tokens per target forward, which decides how samples are batched and so the
+    bf16 rounding of their hidden states (None for a live target, which batches its own way)."""
     return {
         "target": {
             "name": target.path.name,
             "model_type": target.model_type,
             "config_hash": target.config_hash,
+            "weights": weights_digest(target.path, content=hash_weights),
             "num_layers": target.num_layers,
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
@@ -37,4 +42,5 @@ def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: s
         "data_hash": data_hash,
         "max_length": max_length,
         "topk": topk,
+        "token_budget": token_budget,
     }
