@@ -80,12 +80,13 @@ def peak_gb(device: str) -> float:
 def train_coupled(cfg: TrainConfig, target: Target, device: str) -> None:
     """`train --live-target` in this process, with the target built in place instead of loaded."""
     cfg.check()
-    prepare(cfg, 1, print)
-    me = init_rank(0, 1, device, cfg.collective_timeout_s)
-    try:
-        run(me, cfg, print, open_source(cfg, target=target))
-    finally:
-        shutdown()
+    epoch_steps, lock = prepare(cfg, 1, print)
+    with lock:
+        me = init_rank(0, 1, device, cfg.collective_timeout_s)
+        try:
+            run(me, cfg, print, open_source(cfg, target=target), epoch_steps)
+        finally:
+            shutdown()
 
 
 def extract_cache(cfg: TrainConfig, target: Target, root: Path, tokens: int) -> tuple[float, int]:

@@ -42,8 +42,9 @@ from dflash_cache_cli.options import INT_LIST, LAYER_RULE
                    "padded: one sample per row, on a few fixed shapes; auto: packed where the target supports it.")
 @click.option("--kernel-cache", type=click.Path(path_type=Path),
               help="Folder for compiled and autotuned kernels, kept between runs and shared by the ranks of a node (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR). Default: Triton's own cache.")
+@click.option("--skip-weights-hash", is_flag=True, help="Identify the target's weights by their sizes, safetensors headers and 1 MiB sampled from each file, instead of hashing every byte once (recorded in the cache spec).")
 def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budget, max_length, topk, on_bad_sample, shard_size, staging, tokenize_workers,
-            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes, batching, kernel_cache):
+            tokenized_dir, on_bad_record, chat_template_kwargs, strict_template, max_record_bytes, batching, kernel_cache, skip_weights_hash):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
@@ -59,7 +60,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         max_shard_bytes=int(shard_size * (1 << 20)), tokenize_workers=tokenize_workers, staging=staging,
         on_bad_record=on_bad_record, chat_template_kwargs=template_kwargs, strict_template=strict_template,
         max_record_bytes=max_record_bytes,
-        tokenized_dir=tokenized_dir, batching=batching, kernel_cache=kernel_cache,
+        tokenized_dir=tokenized_dir, batching=batching, kernel_cache=kernel_cache, hash_weights=not skip_weights_hash,
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
@@ -119,7 +120,8 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
             bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
 
     try:
-        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize)
+        summary = extract(opts, on_progress, on_plan, on_data, on_tokenize,
+                          on_note=lambda line: click.echo(f"note: {line}", err=True))
     finally:
         close_progress()
     if bar is not None:

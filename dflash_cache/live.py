@@ -75,7 +75,8 @@ class LiveSource:
         loaded = load_samples(list(data), tokenizer, max_length)
         self.samples: list[Sample] = loaded.samples
         self.lengths: list[int] = [len(s.input_ids) for s in self.samples]
-        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, loaded.source_hash, max_length, topk=0)
+        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, loaded.source_hash, max_length, topk=0,
+                              token_budget=None)
         self.width = len(self.layer_ids) * self.info.hidden_size
         self._runner: TargetRunner | None = TargetRunner(built, self.layer_ids) if built else None
 

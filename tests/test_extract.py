@@ -73,10 +73,10 @@ def test_spec_mismatch_and_bad_input(qwen3_target_dir, conversations, tmp_path):
 
 
 def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_path):
-    from dflash_cache.extract.lock import CacheLock
+    from dflash_cache.lock import FolderLock
 
     out = tmp_path / "cache"
-    holder = CacheLock(out, "main").acquire()
+    holder = FolderLock(out, "cache").acquire()
     try:
         with pytest.raises(DFlashCacheError, match=f"being written by pid {os.getpid()}"):
             run_extract(qwen3_target_dir, conversations, out)

@@ -54,7 +54,7 @@ def test_sigkill_then_resume_equals_uninterrupted(setup, tmp_path, kill_at, resu
     assert latest_checkpoint(run).name == f"step-{resumed_from}"
     half_written = run / "checkpoints" / ".step-4.tmp"
     if kill_at.startswith("checkpoint"):  # killed between the training state and complete.json
-        assert (half_written / "train_state.pt").is_file() and not (half_written / COMPLETE).exists()
+        assert (half_written / "train_state.safetensors").is_file() and not (half_written / COMPLETE).exists()
     assert len(losses(run)) == (5 if kill_at.startswith("train") else 4)  # steps logged after the checkpoint
 
     result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])

@@ -87,6 +87,8 @@ def tokenize_conversation(
 def encode_conversation(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
 ) -> Encoded:
+    """Ids, mask, the kind of each masked token and what the template does not render as given, of
+    `messages` (data/messages.py's form) with `tools` and the template options `template_kwargs`."""
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashCacheError(
             "the tokenizer has no chat template, so conversations cannot be tokenized; "

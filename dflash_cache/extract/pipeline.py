@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.varlen import packed_support
 from dflash_cache.extract.warmup import start_background_warmup
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.lock import CacheLock
+from dflash_cache.lock import FolderLock, launch_key, make_folder
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
@@ -42,7 +43,7 @@ from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.store.codecs import check_codec
 from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest, write_remote_manifest, spec_differences
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
-from dflash_cache.store.shard import SHARD_DIR, TMP_SUFFIX, ShardRecord
+from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, ShardRecord, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
 
 HEAD = "target/head.safetensors"
@@ -72,6 +73,7 @@ class ExtractOptions:
     batching: str = "auto"  # packed | padded | auto (packed where the target supports it exactly)
     kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see extract/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
+    hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (extract/weights.py)
 
 
 @dataclass
@@ -126,6 +128,13 @@ def _check_options(opts: ExtractOptions) -> None:
         check_data_file(path)
 
 
+def _cut_torn_journal(path: Path, on_note: Callable[[str], None]) -> None:
+    """A crash while a journal line was appended leaves it torn: cut it before anything is appended."""
+    if path.is_file() and (cut := cut_torn_line(path)):
+        on_note(f"{path}: cut a torn last line ({cut} bytes, left by a crash while it was written); "
+                "what it recorded is extracted again")
+
+
 def _exists(store: Path | RemoteDir, rel: str) -> bool:
     return store.exists(rel) if isinstance(store, RemoteDir) else (store / rel).exists()
 
@@ -142,8 +151,8 @@ def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None
 
 def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
     """After the committed shards of `rank` (read from the journals: a remote rank's shards are not local)."""
-    used = [int(name[len(f"r{rank}-") : -len(".arrow")]) for name in (s.path.split("/")[-1] for s in shards)
-            if name.startswith(f"r{rank}-")]
+    mine = re.compile(rf"{SHARD_DIR}/r{rank}-(\d+)\.arrow")
+    used = [int(m.group(1)) for m in (mine.fullmatch(s.path) for s in shards) if m]
     return max(used, default=-1) + 1
 
 
@@ -161,11 +170,12 @@ def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length
 def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None,
             on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None,
             on_data: Callable[[LoadedData], None] = lambda data: None,
-            on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None) -> ExtractSummary:
+            on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None,
+            on_note: Callable[[str], None] = lambda line: None) -> ExtractSummary:
     """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens,
     layout)` is called once with the work left to do and how the target runs it, `on_data` once with the loaded data (to report it),
     `on_tokenize(samples, tokens)` as data is tokenized (not at all when the tokenized data is kept
-    from an earlier run)."""
+    from an earlier run), `on_note(line)` with what was repaired on the way."""
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
@@ -183,8 +193,11 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     store = remote or root  # where the journals and the manifest live
     if root.exists() and not root.is_dir():
         raise DFlashCacheError(f"{'--staging' if remote else '--out'} {root} exists and is not a directory")
-    root.mkdir(parents=True, exist_ok=True)
-    locks = [CacheLock(root, "main" if dist is None else f"r{rank_ids[0]}").acquire()]
+    made_root = not root.exists()
+    make_folder(root)
+    # One lock for the cache, whatever the launch mode: the ranks of one torchrun launch share it.
+    lock = FolderLock(root, "cache").acquire(None if dist is None else launch_key())
+    writing = False  # until then a failed run leaves the folder as it found it
     warmup = None
     try:
         if opts.batching != "padded" and packed_support(info.config.get_text_config()) is None and (dist is None or dist[2] == 0):
@@ -202,7 +215,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
             )
         layout = choose_layout(info, opts.batching, opts.token_budget, opts.max_length, int(data.lengths.max()))
-        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, layout)
+        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, opts.token_budget,
+                         hash_weights=opts.hash_weights, layout=layout)
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs
         state = read_journals(store)
@@ -211,6 +225,9 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             raise DFlashCacheError(f"{store} holds a cache made with other settings ({diffs}); use another --out")
         if _exists(store, MANIFEST) and state.spec is None:
             raise DFlashCacheError(f"{store} has a manifest but no journals; it was not written by extract, use another --out")
+        writing = True
+        for rank in rank_ids:  # this run's own journals only: another launch's ranks may be appending to theirs
+            _cut_torn_journal(root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)
         if remote is not None:
             for rank in rank_ids:
                 Uploader(remote, root, rank).reconcile(spec)
@@ -240,11 +257,14 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             )
         summaries = _run_jobs(jobs, on_progress)
         manifest = _finalise(store, all_ids, data.info.report())
-    finally:
-        if warmup is not None and warmup.is_alive():
-            warmup.kill()
-        for lock in locks:
-            lock.release()
+    except BaseException:
+        _stop(warmup)
+        lock.release(discard=not writing)
+        if made_root and not writing and not any(root.iterdir()):
+            root.rmdir()
+        raise
+    _stop(warmup)
+    lock.release()
     return ExtractSummary(
         samples=sum(s.samples for s in summaries),
         tokens=sum(s.tokens for s in summaries),
@@ -258,6 +278,11 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         already_complete=not left,
         manifest=manifest,
     )
+
+
+def _stop(process) -> None:
+    if process is not None and process.is_alive():
+        process.kill()
 
 
 def _finalise(store: Path | RemoteDir, all_ids: list[int], report: dict) -> dict | None:

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 from dflash_cache.extract.info import TargetInfo
+from dflash_cache.extract.weights import weights_digest
 
 HIDDEN_DTYPE = "bfloat16"
 
@@ -22,13 +23,16 @@ def tokenizer_hash(target_path: Path) -> str:
 
 
 def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int,
-              layout=None) -> dict:
-    """`layout`: the extraction's batch layout (extract/batch.py); None for a live target."""
+              token_budget: int | None, hash_weights: bool = True, layout=None) -> dict:
+    """`token_budget`: tokens per target forward, which decides how samples are batched and so the
+    bf16 rounding of their hidden states (None for a live target, which batches its own way);
+    `layout`: the extraction's batch layout (extract/batch.py), None for a live target."""
     return {
         "target": {
             "name": target.path.name,
             "model_type": target.model_type,
             "config_hash": target.config_hash,
+            "weights": weights_digest(target.path, content=hash_weights),
             "num_layers": target.num_layers,
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
@@ -40,6 +44,7 @@ def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: s
         "data_hash": data_hash,
         "max_length": max_length,
         "topk": topk,
+        "token_budget": token_budget,
         # Which samples share a forward, and in what shape, changes stored bytes at bf16 rounding.
         "batching": None if layout is None else {"layout": type(layout).__name__, **dataclasses.asdict(layout)},
     }

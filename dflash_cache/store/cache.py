@@ -3,12 +3,19 @@
 The cache may be a local folder or an fsspec URL (`s3://bucket/prefix`). A remote shard is read by
 byte ranges (its footer once, then one record batch per row), or, given `local_dir`, fetched whole
 into that folder (bounded by `local_bytes`) and read from there.
+
+Every row's checksum is verified as it is read. With `verify_shards` (training), each shard's
+sha256 is verified too, once per Cache, by the first thread that reads from it (other threads
+wanting the same shard wait for it): a shard swapped for another cache's, whose rows are all
+sound, is caught there. A remote shard read by byte ranges is never whole on this machine and has
+its rows' checksums only; a fetched one is verified as it is downloaded.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,9 +28,10 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode, decompress, encoded_size
 from dflash_cache.store.fetch import ShardFetcher
 from dflash_cache.store.manifest import read_manifest, read_remote_manifest
+from dflash_cache.store.paths import check_file_name, inside
 from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.remote import RangeFile, RemoteDir, is_remote, local_path
-from dflash_cache.store.shard import ShardReader, ShardRecord, StoredRow
+from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, StoredRow
 
 TARGET_DIR = "target"
 
@@ -43,8 +51,9 @@ class Cache:
     """A complete cache. Opening reads only the manifest; rows are read one record batch at a time."""
 
     def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 pool: ShardPool | None = None):
-        """`pool`: the open shard readers, shared between caches read together (default: one of its own)."""
+                 pool: ShardPool | None = None, verify_shards: bool = False):
+        """`pool`: the open shard readers, shared between caches read together (default: one of its own);
+        `verify_shards`: each shard's sha256 is verified on first read (see above)."""
         self.remote = RemoteDir(str(root)) if is_remote(root) else None
         self.root: Path | str = self.remote.url if self.remote else local_path(root)
         self.manifest = read_remote_manifest(self.remote) if self.remote else read_manifest(self.root)
@@ -66,6 +75,10 @@ class Cache:
         if self.remote is not None and local_dir is not None:
             self._fetcher = ShardFetcher(self.remote, local_dir, local_bytes, on_evict=self._forget)
         self._target_dir: Path | None = None
+        self._verify = verify_shards and (self.remote is None or self._fetcher is not None)
+        self._verified: set[int] = set()
+        self._verify_gates: dict[int, threading.Lock] = {}
+        self._gates_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._where)
@@ -87,7 +100,7 @@ class Cache:
     def _open_shard(self, shard_index: int) -> ShardReader:
         shard = self.shards[shard_index]
         if self.remote is None:
-            path = self.root / shard.path
+            path = inside(self.root, self.root / shard.path)
             if not path.is_file():
                 raise DFlashCacheError(f"{path}: shard listed in the manifest is missing")
             return ShardReader(path)
@@ -98,6 +111,40 @@ class Cache:
         except FileNotFoundError:
             raise DFlashCacheError(f"{self.shard_name(shard_index)}: shard listed in the manifest is missing") from None
 
+    def check_shards(self) -> None:
+        """Every shard is there with the size the manifest gives it (one listing for a remote cache)."""
+        if self.remote is not None:
+            sizes = self.remote.sizes(SHARD_DIR)
+        for index, shard in enumerate(self.shards):
+            if self.remote is None:
+                path = inside(self.root, self.root / shard.path)
+                size = path.stat().st_size if path.is_file() else None
+            else:
+                size = sizes.get(shard.path.split("/", 1)[1])
+            if size is None:
+                raise DFlashCacheError(f"{self.shard_name(index)}: shard listed in the manifest is missing")
+            if size != shard.bytes:
+                raise DFlashCacheError(f"{self.shard_name(index)}: {size} bytes, the manifest says {shard.bytes} "
+                                       "(truncated or replaced)")
+
+    def _verify_once(self, shard_index: int, reader: ShardReader) -> None:
+        """sha256 of the shard's local file against the manifest, the first time a thread reads it,
+        through `reader`'s own open file (the pool bounds the files open)."""
+        with self._gates_lock:
+            gate = self._verify_gates.setdefault(shard_index, threading.Lock())
+        with gate:
+            if shard_index in self._verified:
+                return
+            shard = self.shards[shard_index]
+            fetched = self._fetcher is not None and self._fetcher.checked(shard.path)  # hashed as it was downloaded
+            if not fetched and reader.sha256() != shard.sha256:
+                if self._fetcher is not None:
+                    raise DFlashCacheError(f"{self._fetcher.root / shard.path}: sha256 does not match the manifest "
+                                           "(the local copy was replaced or damaged); delete it to fetch it again")
+                raise DFlashCacheError(f"{self.shard_name(shard_index)}: sha256 does not match the manifest (the shard "
+                                       f"was replaced or damaged); `dflash-cache verify {self.root}` checks every shard")
+            self._verified.add(shard_index)
+
     def _forget(self, shard_path: str) -> None:
         """Drop the reader of a shard the local folder evicted (closed once no thread reads it)."""
         self._pool.forget(lambda key: key[0] is self and self.shards[key[1]].path == shard_path)
@@ -106,7 +153,7 @@ class Cache:
     def local_copy(self, shard_index: int) -> Iterator[Path]:
         """A local file of the whole shard: the shard itself, or a temporary download of a remote one."""
         if self.remote is None:
-            yield self.root / self.shards[shard_index].path
+            yield inside(self.root, self.root / self.shards[shard_index].path)
             return
         with tempfile.TemporaryDirectory(prefix="dflash-cache-shard-") as tmp:
             local = Path(tmp) / "shard.arrow"
@@ -128,6 +175,7 @@ class Cache:
                 folder = Path(tempfile.mkdtemp(prefix="dflash-cache-target-"))
                 weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
             for name in self.remote.list(TARGET_DIR):
+                check_file_name(name, self.remote.url_of(TARGET_DIR))
                 rel = f"{TARGET_DIR}/{name}"
                 local = folder / name
                 if not (local.is_file() and local.stat().st_size == self.remote.size(rel)):
@@ -145,6 +193,8 @@ class Cache:
             raise KeyError(sample_id)
         s, r = self._where[sample_id]
         with self._pool.reader((self, s), lambda: self._open_shard(s)) as reader:
+            if self._verify and s not in self._verified:
+                self._verify_once(s, reader)
             row = reader.row(r)  # its buffers stay valid after the pool closes the shard
         path = self.shard_name(s)
         if row.sample_id != sample_id:
@@ -190,6 +240,6 @@ class Cache:
 
 
 def open_cache(path: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
-               pool: ShardPool | None = None) -> Cache:
+               pool: ShardPool | None = None, verify_shards: bool = False) -> Cache:
     """A cache at a local path, a `file://` URL or any fsspec URL (`s3://bucket/prefix`, `gs://...`)."""
-    return Cache(path, local_dir, local_bytes, pool)
+    return Cache(path, local_dir, local_bytes, pool, verify_shards)

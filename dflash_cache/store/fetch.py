@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.paths import check_shard_path, inside
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, file_sha256
 
@@ -33,13 +34,17 @@ class ShardFetcher:
         old = sorted((p for p in (self.root / SHARD_DIR).glob("*.arrow")), key=lambda p: p.stat().st_mtime)
         self._held: OrderedDict[str, int] = OrderedDict((f"{SHARD_DIR}/{p.name}", p.stat().st_size) for p in old)
         self.downloads = 0
+        self._checked: set[str] = set()  # shards whose local file this process has hashed
 
     def open(self, shard: ShardRecord) -> ShardReader:
         """A reader of the local copy of `shard`, downloading it first when needed."""
         if self.max_bytes is not None and shard.bytes > self.max_bytes:
             raise DFlashCacheError(f"shard {shard.path} has {shard.bytes} bytes, more than the local cache may hold "
                                    f"({self.max_bytes}); raise the local cache size")
-        local = self.root / shard.path
+        try:
+            local = inside(self.root, self.root / check_shard_path(shard.path))
+        except ValueError as e:  # the manifest's reader checks it first; this folder is written and deleted in
+            raise DFlashCacheError(f"{self.remote.url}: {e}") from None
         with self._lock:
             gate = self._gates.setdefault(shard.path, threading.Lock())
         with gate:  # one download per shard, whatever the number of threads asking for it
@@ -66,6 +71,12 @@ class ShardFetcher:
         if local.stat().st_size != shard.bytes or file_sha256(local) != shard.sha256:
             local.unlink(missing_ok=True)
             raise DFlashCacheError(f"{self.remote.url_of(shard.path)}: size or sha256 does not match the manifest")
+        self._checked.add(shard.path)
+
+    def checked(self, shard_path: str) -> bool:
+        """Whether this process downloaded the shard and found the manifest's sha256 (a copy left by an
+        earlier run, or fetched by another process, was not checked here)."""
+        return shard_path in self._checked
 
     def _make_room(self, incoming: int) -> None:
         """Delete least recently opened shards until `incoming` more bytes fit (called under the lock)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.manifest import read_journals, spec_differences
+from dflash_cache.store.paths import inside
 from dflash_cache.store.shard import JOURNAL_DIR, file_sha256
 
 
@@ -18,7 +19,7 @@ def check_target_files(target_dir: Path, manifest: dict) -> None:
     """Raises naming the first file of target/ that differs from the manifest's sha256 (a manifest
     that lists none, written before extract recorded them, has nothing to check)."""
     for name, sha256 in manifest.get("target_files", {}).items():
-        path = Path(target_dir) / name
+        path = inside(target_dir, Path(target_dir) / name)
         if not path.is_file():
             problem = "is missing"
         elif file_sha256(path) != sha256:

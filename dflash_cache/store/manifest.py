@@ -15,6 +15,7 @@ from pathlib import Path
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import CODECS
+from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, parse_journal, read_journal
@@ -80,6 +81,7 @@ def _counts(values) -> bool:
 def shard_record(entry: object) -> ShardRecord:
     """A shard entry of a journal or of the manifest, its fields checked (TypeError or ValueError if bad)."""
     record = ShardRecord(**entry)
+    check_shard_path(record.path)
     if not (isinstance(record.path, str) and isinstance(record.sha256, str) and _counts(record.sample_ids)
             and _counts(record.num_tokens) and _counts([record.rows, record.tokens, record.bytes, record.hidden_bytes])):
         raise ValueError(f"shard {record.path!r} has fields of the wrong type")
@@ -90,8 +92,7 @@ def shard_record(entry: object) -> ShardRecord:
 
 def target_file_list(entry: object) -> dict[str, str]:
     """{file name in target/: sha256}, checked (ValueError if bad)."""
-    if not (isinstance(entry, dict) and all(isinstance(h, str) and n not in ("", ".", "..") and "/" not in n
-                                            for n, h in entry.items())):
+    if not (isinstance(entry, dict) and all(isinstance(h, str) and is_file_name(n) for n, h in entry.items())):
         raise ValueError("target_files is not a list of file names and hashes")
     return entry
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_cache import faults
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 
 MIN_FETCH = 64 << 10  # smallest ranged read: an IPC footer, or a batch's metadata with a small body
+
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*@)")
+
+
+def redact(url: str) -> str:
+    """The URL with any `user:password@` part replaced by `***@`, for messages."""
+    return _USERINFO.sub(r"\1***@", str(url))
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -37,9 +46,9 @@ def _errors(what: str):
     except (DFlashCacheError, FileNotFoundError):
         raise
     except ImportError as e:  # fsspec names the package a protocol needs, e.g. s3fs
-        raise DFlashCacheError(f"{what}: {e}") from None
+        raise DFlashCacheError(f"{what}: {first_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - network, permission and server errors of any backend
-        raise DFlashCacheError(f"{what}: {type(e).__name__}: {e}") from None
+        raise DFlashCacheError(f"{what}: {type(e).__name__}: {first_line(e)}") from None
 
 
 class RemoteDir:
@@ -47,6 +56,10 @@ class RemoteDir:
     RemoteDir pickles into spawned workers as just its URL."""
 
     def __init__(self, url: str):
+        if _USERINFO.match(str(url)):  # it would show in messages, logs, run files and process lists
+            raise DFlashCacheError(f"{redact(url)}: credentials in the URL are not accepted; give them the "
+                                   "filesystem's usual way (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                                   "AWS_PROFILE or ~/.aws)")
         self.url = str(url).rstrip("/")
         self._fs = None
         self._root = ""
@@ -92,6 +105,14 @@ class RemoteDir:
             if not self.fs.exists(self.path(rel)):
                 return []
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(rel), detail=False))
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """{name: bytes} of the files directly under `rel`, from one listing (none when it does not exist)."""
+        with _errors(self.url_of(rel)):
+            if not self.fs.exists(self.path(rel)):
+                return {}
+            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in self.fs.ls(self.path(rel), detail=True)
+                    if e.get("type") == "file"}
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         with _errors(self.url_of(rel)):

@@ -249,11 +249,38 @@ class ShardWriter:
 
 
 def append_journal(path: Path, entry: dict) -> None:
-    """Append one JSON line and fsync: a journal line is either whole or absent after a crash."""
-    with open(path, "a") as f:
-        f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+    """Append one JSON line and fsync. A write that fails (a full disk, a file-size limit) is cut
+    back, so the line is in the journal whole or not at all; a crash in the middle of the write
+    leaves a torn last line, which `cut_torn_line` removes before the next append."""
+    line = memoryview((json.dumps(entry, separators=(",", ":")) + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            while line:
+                line = line[os.write(fd, line):]
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass  # the line stays torn; the next run cuts it
+            raise
+    finally:
+        os.close(fd)
+
+
+def cut_torn_line(path: Path) -> int:
+    """Cut a journal back to its last whole line; returns the number of bytes cut (0: none torn)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        whole = data.rfind(b"\n") + 1
+        if whole == len(data):
+            return 0
+        f.truncate(whole)
         f.flush()
         os.fsync(f.fileno())
+    return len(data) - whole
 
 
 def read_journal(path: Path) -> list[dict]:
@@ -346,6 +373,14 @@ class ShardReader:
             raise DFlashCacheError(f"{self.path}: cannot open shard ({e})") from None
         if not self._reader.schema.equals(ROW_SCHEMA):
             raise DFlashCacheError(f"{self.path}: unexpected schema")
+
+    def sha256(self, chunk: int = 8 << 20) -> str:
+        """sha256 of the whole file, read through this reader's own open file."""
+        sha = hashlib.sha256()
+        size = self._source.size()
+        for start in range(0, size, chunk):
+            sha.update(self._source.read_at(min(chunk, size - start), start))
+        return sha.hexdigest()
 
     @property
     def num_rows(self) -> int:

@@ -18,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.paths import check_shard_path
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, parse_journal
 
@@ -69,7 +71,11 @@ class Uploader:
         local_text = local.read_text() if local.is_file() else ""
         whole = _whole_lines(local_text)  # without a torn last line
         if whole.startswith(remote_text) and whole != remote_text and _first_spec(whole) == spec:
-            pending = [e["shard"]["path"] for e in parse_journal(whole[len(remote_text):], str(local)) if "shard" in e]
+            try:
+                pending = [check_shard_path(e["shard"]["path"]) for e in parse_journal(whole[len(remote_text):], str(local))
+                           if "shard" in e]
+            except (KeyError, TypeError, ValueError) as e:
+                raise DFlashCacheError(f"{local}: corrupt entry ({e}); delete it to extract that rank's samples again") from None
             if all((self.staging / p).is_file() for p in pending):  # committed here, not uploaded: upload now
                 for path in pending:
                     self.remote.upload(self.staging / path, path)

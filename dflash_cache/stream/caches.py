@@ -16,8 +16,9 @@ from dflash_cache.store.manifest import spec_differences
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS, ShardPool
 from dflash_cache.store.shard import StoredRow
 
-# Spec fields that may differ between caches trained on together: where the samples came from.
-FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs"}
+# Spec fields that may differ between caches trained on together: where the samples came from and how
+# they were batched.
+FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs", "token_budget"}
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:
@@ -32,13 +33,14 @@ class CacheSet:
     """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
 
     def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS):
+                 max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS, verify_shards: bool = False):
         """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache);
-        `max_open_shards`: the most shards open at once, over all the caches (store.pool)."""
+        `max_open_shards`: the most shards open at once, over all the caches (store.pool); `verify_shards`:
+        whether each shard's sha256 is verified on first read (store.cache)."""
         if not paths:
             raise DFlashCacheError("no cache given: pass --cache CACHE")
         self.pool = ShardPool(max_open_shards)
-        self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes, self.pool) for p in paths]
+        self.caches: list[Cache] = [open_cache(p, local_dir, local_bytes, self.pool, verify_shards) for p in paths]
         first = self.caches[0]
         for cache in self.caches[1:]:
             diff = spec_differences(first.spec, cache.spec, FREE_SPEC_FIELDS)

@@ -5,8 +5,9 @@ last, then the folder is renamed to `step-N`. Resume takes the newest `step-N` h
 `complete.json`; a folder without it (a crash mid-write, or anything else) is never picked up.
 
 Contents: the drafter (`save_drafter`'s files, which `dflash-cache export` reads), and
-`train_state.pt` with the optimizer, the LR scheduler, the RNG states of every rank and the
-stream position (epoch, batch of the epoch's plan) to continue from.
+`train_state.json` + `train_state.safetensors` (state_io.py: nothing is unpickled) with the
+optimizer, the LR scheduler, the RNG states of every rank and the stream position (epoch, batch of
+the epoch's plan) to continue from.
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ import torch
 
 from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.store.shard import fsync_dir
+from dflash_cache.train.state_io import load_state, save_state
 
 CHECKPOINT_DIR = "checkpoints"
-TRAIN_STATE = "train_state.pt"
+TRAIN_STATE = "train_state"  # .json + .safetensors
 COMPLETE = "complete.json"
 _NAME = re.compile(r"step-(\d+)")
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states, as tensors and plain values only."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -41,7 +46,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -64,8 +70,8 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_drafter(drafter, tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "position": position, "rng": rng_states}, tmp / TRAIN_STATE)
+    save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
     faults.point("checkpoint.write")
     (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _fsync_tree(tmp)
@@ -113,10 +119,10 @@ def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim
     if config.to_dict() != drafter.config.to_dict():
         raise DFlashCacheError(f"{path}: the checkpoint's drafter config differs from this run's")
     drafter.load_state_dict({name: t.to(drafter.fc.weight.dtype) for name, t in weights.items()})
+    state = load_state(path, TRAIN_STATE)
     try:
-        state = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise DFlashCacheError(f"{path}: unreadable {TRAIN_STATE} ({e})") from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return {"position": state["position"], "rng": state["rng"]}
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        return {"position": state["position"], "rng": state["rng"]}
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise DFlashCacheError(f"{path}: the training state does not fit this run ({first_line(e)})") from None

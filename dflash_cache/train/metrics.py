@@ -36,17 +36,19 @@ def eval_line(record: dict) -> str:
             f"acc1 {record['eval_acc_1']:.3f} | {record['eval_batches']} batches")
 
 
-def _summary_writer(directory: Path):
+def _summary_writer(directory: Path, purge_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional at run time
         return None
-    return SummaryWriter(str(directory))
+    return SummaryWriter(str(directory), purge_step=purge_step)
 
 
 class MetricsLog:
     """Appends to metrics.jsonl; on resume, lines past the resumed step (written after the
-    checkpoint by the interrupted run) are dropped first so the file reads as one run."""
+    checkpoint by the interrupted run) are dropped first so the file reads as one run. TensorBoard's
+    files are only appended to: the new file starts with a purge mark, which tells TensorBoard to
+    drop the earlier files' events past the resumed step."""
 
     def __init__(self, run_dir: Path, total_steps: int, resumed_step: int, echo: Callable[[str], None],
                  log_every: int = 1):
@@ -54,11 +56,12 @@ class MetricsLog:
         self.echo = echo
         self.log_every = log_every
         path = Path(run_dir) / METRICS_FILE
-        if path.exists():
+        resumed = path.exists()
+        if resumed:
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_step]
             path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
-        self.tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR)
+        self.tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR, resumed_step + 1 if resumed else None)
 
     def write(self, record: dict, line: str | None) -> None:
         self.file.write(json.dumps(record) + "\n")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.lock import LOCK_DIR, FolderLock, make_folder
 from dflash_cache.store.manifest import spec_differences
 from dflash_cache.train.checkpoint import latest_checkpoint
 
@@ -20,26 +21,43 @@ def run_identity(trajectory: dict, world: int, cache_specs: list[dict], cache_sa
             "cache_samples": cache_samples, "drafter": drafter}
 
 
-def prepare_run_dir(out: Path, identity: dict, resume: bool) -> Path | None:
-    """Checks `out` against `resume`; a fresh run writes run.json. Returns the checkpoint to resume from."""
+def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | None, FolderLock]:
+    """Checks `out` against `resume` and takes its lock (one run at a time); a fresh run writes
+    run.json. Returns the checkpoint to resume from, and the lock to hold for the whole run."""
     out = Path(out)
     run_file = out / RUN_FILE
-    if resume:
-        if not run_file.is_file():
-            raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
-        old = json.loads(run_file.read_text())
-        if diff := spec_differences(old, json.loads(json.dumps(identity))):
-            raise DFlashCacheError(f"--resume: {out} was started with a different config ({'; '.join(diff[:4])}); "
-                                   "resume with the same options and caches, or choose another --out")
-        checkpoint = latest_checkpoint(out)
-        if checkpoint is None:
-            raise DFlashCacheError(f"--resume: {out} holds no complete checkpoint yet; delete it or choose another --out")
-        return checkpoint
-    if run_file.is_file():
+    if resume and not run_file.is_file():
+        raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
+    if not resume:
+        if run_file.is_file():
+            raise DFlashCacheError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+        if out.exists() and (not out.is_dir() or any(p.name != LOCK_DIR for p in out.iterdir())):
+            raise DFlashCacheError(f"{out} exists and is not an empty folder; choose another --out")
+        make_folder(out)
+    lock = FolderLock(out, "run", what="being trained").acquire()
+    try:
+        checkpoint = _check_resume(out, identity) if resume else _start(out, identity)
+    except BaseException:
+        lock.release(discard=True)
+        raise
+    return checkpoint, lock
+
+
+def _check_resume(out: Path, identity: dict) -> Path:
+    old = json.loads((out / RUN_FILE).read_text())
+    if diff := spec_differences(old, json.loads(json.dumps(identity))):
+        raise DFlashCacheError(f"--resume: {out} was started with a different config ({'; '.join(diff[:4])}); "
+                               "resume with the same options and caches, or choose another --out")
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
+        raise DFlashCacheError(f"--resume: {out} holds no complete checkpoint yet; delete it or choose another --out")
+    return checkpoint
+
+
+def _start(out: Path, identity: dict) -> None:
+    run_file = out / RUN_FILE
+    if run_file.is_file():  # another run started here between the check above and the lock
         raise DFlashCacheError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DFlashCacheError(f"{out} exists and is not an empty folder; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
     tmp = run_file.with_name(RUN_FILE + ".tmp")
     tmp.write_text(json.dumps(identity, indent=2) + "\n")
     tmp.replace(run_file)

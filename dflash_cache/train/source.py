@@ -85,6 +85,7 @@ class CacheSource(Source):
                 raise DFlashCacheError(
                     f"{cache.root} holds no token to train on (every loss mask is zero); extract it again from "
                     "data with assistant turns within --max-length")
+            cache.check_shards()  # a missing shard is found now, not steps into the run
 
     def describe(self) -> str:
         return f"{len(self.caches)} samples in {len(self.caches.caches)} cache(s)"
@@ -126,7 +127,8 @@ def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | N
     """The source `cfg` names. A live target loads on `target_device` when first used, unless `target`
     gives it already loaded (benchmarks build one in place)."""
     if cfg.live_target is None:
-        return CacheSource(CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes, cfg.max_open_shards), cfg.prefetch, cfg.workers)
+        caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes, cfg.max_open_shards, verify_shards=True)
+        return CacheSource(caches, cfg.prefetch, cfg.workers)
     live = LiveSource(target or cfg.live_target, cfg.data, cfg.layers, cfg.num_draft_layers, target_device,
                       cfg.max_length, forward_tokens=None if cfg.exact_target else cfg.token_budget)
     return LiveTargetSource(live)

@@ -27,6 +27,7 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.lock import FolderLock
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -90,18 +91,23 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
         cfg.check()
         check_target_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         # Every rank goes on even when the run is finished (its loop is then empty): the others wait for rank 0.
-        epoch_steps = prepare(cfg, world, echo) if rank == 0 else None
-        run_rank(rank, world, device, cfg, echo, local, epoch_steps)
+        epoch_steps, lock = prepare(cfg, world, echo) if rank == 0 else (None, None)  # rank 0 alone writes the run folder
+        try:
+            run_rank(rank, world, device, cfg, echo, local, epoch_steps)
+        finally:
+            if lock is not None:
+                lock.release()
         return
     cfg.check_source()
     devices = plan_devices(cfg.gpus, cfg.cpu_procs)
     cfg = with_device_defaults(cfg, torch.device(devices[0]).type)
     cfg.check()
     check_target_gpus(cfg, len(devices))
-    epoch_steps = prepare(cfg, len(devices), echo)
-    if epoch_steps is None:
-        return
-    launch(run_rank, devices, (cfg, echo, None, epoch_steps))
+    epoch_steps, lock = prepare(cfg, len(devices), echo)
+    with lock:
+        if epoch_steps is None:
+            return
+        launch(run_rank, devices, (cfg, echo, None, epoch_steps))
 
 
 def with_device_defaults(cfg: TrainConfig, device_type: str) -> TrainConfig:
@@ -110,20 +116,21 @@ def with_device_defaults(cfg: TrainConfig, device_type: str) -> TrainConfig:
                    max_anchors=max_anchors if cfg.max_anchors is None else cfg.max_anchors)
 
 
-def prepare(cfg: TrainConfig, world: int, echo: Echo) -> dict[int, int] | None:
-    """Bad input fails here, before any process is spawned: source, drafter config, run folder, plan.
-    Returns the steps of each epoch counted, for the ranks not to plan every epoch again; None when
-    there is nothing to do (a resumed run that is already finished)."""
+def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | None, FolderLock]:
+    """Bad input fails here, before any process is spawned and before the run folder is written:
+    source, drafter config, split, plan, then the run folder. Returns the steps of each epoch
+    counted, for the ranks not to plan every epoch again (None when there is nothing to do: a
+    resumed run that is already finished), and the run folder's lock, to hold for the whole run."""
     source = open_source(cfg)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
         config, notes = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
         identity = run_identity(cfg.trajectory(), world, *source.identity(), config.to_dict())
-        checkpoint = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         train_keys, eval_keys = source.split(cfg.eval_fraction)
         plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
         plan_lines = plan.describe(0)  # before the other epochs are counted, while epoch 0 is still cached
         total = plan.total_steps(cfg.epochs, cfg.steps)
+        checkpoint, lock = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         for note in notes:
             echo(f"drafter config: {note}")
         echo(describe_drafter(config))
@@ -137,12 +144,11 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> dict[int, int] | None:
             if done >= total:
                 echo(f"{cfg.out} is finished: {checkpoint.name} is its last step ({total}), nothing to train. To train "
                      "further, start a new run in another --out with more --steps or --epochs.")
-                return None
+                return None, lock
             echo(f"resuming from {checkpoint} (step {done} of {total})")
-        return plan.epoch_steps
     finally:
         source.close()
-    return False
+    return plan.epoch_steps, lock
 
 
 def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None,
