@@ -48,6 +48,7 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
     per target forward.
     """
     from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative
+    from dflash_cache.eval.speculative import speculative_defaults
 
     if bool(target) == bool(caches):
         raise click.UsageError("give either --target with --data (speculative decoding) or --cache (offline)")

@@ -28,14 +28,20 @@ from dflash_cache.train.rundir import RUN_FILE
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
 
 
-def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
-    """(config, weights, the folder they came from)."""
+def checkpoint_of(path: str | Path) -> Path:
+    """A training run folder's newest complete checkpoint; any other path as it is."""
     path = Path(path)
     if (path / CHECKPOINT_DIR).is_dir() and not (path / WEIGHTS_FILE).is_file():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
             raise DFlashCacheError(f"{path} is a training run without a complete checkpoint yet.")
-        path = checkpoint
+        return checkpoint
+    return path
+
+
+def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
+    """(config, weights, the folder they came from)."""
+    path = checkpoint_of(path)
     if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
         config, state = load_drafter_state(path)
         return config, state, path

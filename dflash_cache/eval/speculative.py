@@ -36,6 +36,13 @@ from dflash_cache.live import target_head
 from dflash_cache.train.budget import is_out_of_memory
 
 DTYPES = {name: getattr(torch, name) for name in TARGET_DTYPES}
+# (prompts, new tokens per prompt) by device type: each cycle recomputes the whole sequence, which a CPU
+# affords for fewer and shorter decodings.
+DEFAULTS = {"cuda": (16, 128), "cpu": (8, 64)}
+
+
+def speculative_defaults(device: str | None) -> tuple[int, int]:
+    return DEFAULTS.get(default_device(device).type, DEFAULTS["cpu"])
 
 
 @dataclass
