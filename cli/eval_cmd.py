@@ -23,18 +23,21 @@ def progress(bar: tqdm):
 @click.option("--data", multiple=True, type=click.Path(path_type=Path),
               help="Held-out conversations (or pre-tokenized records): each one's prompt is everything before its "
                    "first assistant turn. Repeatable.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate per prompt.")
-@click.option("--num-prompts", type=int, default=16, show_default=True, help="Prompts to decode (0: every one).")
+@click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt. Default: 128 on a GPU, 64 on the CPU.")
+@click.option("--num-prompts", type=int, help="Prompts to decode (0: every one). Default: 16 on a GPU, 8 on the CPU.")
 @click.option("--dtype", type=click.Choice(TARGET_DTYPES), default="float32", show_default=True,
               help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
 @click.option("--cache", "caches", multiple=True,
               help="Instead of --target: tau offline from this cache's hidden states (a folder or an fsspec URL), "
                    "as training evaluates it.")
-@click.option("--eval-fraction", type=float, default=0.0, show_default=True,
-              help="With --cache: only the samples a training run with this --eval-fraction holds out (0: all).")
-@click.option("--token-budget", type=int, default=49152, show_default=True, help="With --cache: tokens per batch.")
-@click.option("--max-anchors", type=int, default=512, show_default=True, help="With --cache: most blocks per sequence.")
-@click.option("--seed", type=int, default=0, show_default=True, help="With --cache: seed of the plan and anchors.")
+@click.option("--eval-fraction", type=float,
+              help="With --cache: only the samples a training run with this --eval-fraction holds out (0: all). "
+                   "Default: the drafter's own run's held-out split (all samples for an export).")
+@click.option("--token-budget", type=int,
+              help="With --cache: tokens per batch. Default: the run's (49152 on a GPU, 2048 on the CPU for an export).")
+@click.option("--max-anchors", type=int,
+              help="With --cache: most blocks per sequence. Default: the run's (512 on a GPU, 8 on the CPU for an export).")
+@click.option("--seed", type=int, help="With --cache: seed of the plan and anchors. Default: the run's (0 for an export).")
 @click.option("--device", help="Device, e.g. cuda:1 or cpu. Default: cuda:0 when there is a GPU.")
 def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, eval_fraction, token_budget,
             max_anchors, seed, device):
@@ -45,6 +48,7 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
     per target forward.
     """
     from dflash_cache.eval import OfflineOptions, SpeculativeOptions, evaluate_offline, evaluate_speculative
+    from dflash_cache.eval.speculative import speculative_defaults
 
     if bool(target) == bool(caches):
         raise click.UsageError("give either --target with --data (speculative decoding) or --cache (offline)")
@@ -56,7 +60,10 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
     else:
         if not data:
             raise click.UsageError("--target needs --data with held-out prompts")
-        opts = SpeculativeOptions(drafter=drafter, target=target, data=list(data), max_new_tokens=max_new_tokens,
+        prompts_default, tokens_default = speculative_defaults(device)
+        num_prompts = prompts_default if num_prompts is None else num_prompts
+        opts = SpeculativeOptions(drafter=drafter, target=target, data=list(data),
+                                  max_new_tokens=tokens_default if max_new_tokens is None else max_new_tokens,
                                   num_prompts=num_prompts or None, device=device, dtype=dtype)
         with tqdm(unit="prompt", desc="eval", disable=None) as bar:
             report = evaluate_speculative(opts, progress(bar))

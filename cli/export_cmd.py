@@ -10,12 +10,15 @@ from dflash_cache.choices import EXPORT_DTYPES
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for config.json and model.safetensors.")
 @click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="bfloat16", show_default=True, help="Weight dtype of the export.")
 def command(checkpoint: Path, out: Path, dtype: str) -> None:
-    """Write a drafter CHECKPOINT (a `train` checkpoint directory) in the reference DFlash layout.
+    """Write a drafter CHECKPOINT (a `train` checkpoint directory, or a run folder: its newest checkpoint)
+    in the reference DFlash layout.
 
     The result loads with `dflash.model.DFlashDraftModel.from_pretrained(OUT)` and serves in engines
     that run DFlash drafters.
     """
     from dflash_cache.drafter.export import export_checkpoint
+    from dflash_cache.eval.drafters import checkpoint_of
 
+    checkpoint = checkpoint_of(checkpoint)
     export_checkpoint(checkpoint, out, dtype)
     click.echo(f"exported {checkpoint} -> {out} ({dtype})")

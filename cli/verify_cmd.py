@@ -2,6 +2,7 @@ import click
 from tqdm import tqdm
 
 from dflash_cache.store import open_cache
+from dflash_cache.units import size
 
 
 @click.command("verify")
@@ -17,4 +18,4 @@ def command(cache: str) -> None:
     total = sum(s.bytes for s in opened.shards)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False, disable=None) as bar:
         report = verify_cache(opened, progress=bar.update)
-    click.echo(f"ok: {report.shards} shards, {report.rows} samples, {report.tokens} tokens, {report.bytes / 1e6:.1f} MB verified")
+    click.echo(f"ok: {report.shards} shards, {report.rows:,} samples, {report.tokens:,} tokens, {size(report.bytes)} verified")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dflash_cache.data.plan import describe_plan, plan_batches
 from dflash_cache.store.cache import Cache
+from dflash_cache.units import size
 
 
 def describe_cache(cache: Cache, token_budget: int) -> list[str]:
@@ -18,7 +19,7 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
         f"samples:      {totals['samples']:,} ({len(cache.manifest['skipped'])} skipped, {cache.manifest.get('extract', {}).get('truncated', 0)} truncated at {spec['max_length']} tokens)",
         f"tokens:       {totals['tokens']:,}",
         *_data_lines(cache.manifest.get("extract", {})),
-        f"shards:       {len(cache.shards)}, {totals['bytes'] / 1e9:.3f} GB",
+        f"shards:       {len(cache.shards)}, {size(totals['bytes'])}",
         f"bytes/token:  {totals['bytes'] / tokens:,.0f} (hidden states {totals['hidden_bytes'] / tokens:,.0f}, raw bf16 {totals['raw_hidden_bytes'] / tokens:,.0f})",
         f"compression:  {totals['hidden_bytes'] / max(totals['raw_hidden_bytes'], 1):.3f} of raw bf16",
         f"plan at a token budget of {token_budget:,}:",

@@ -141,8 +141,12 @@ def test_offline_tau_equals_the_trainers_held_out_tau(tmp_path):
     assert report.tau == pytest.approx(logged["eval_tau"], rel=1e-12)
     assert report.loss == pytest.approx(logged["eval_loss"], rel=1e-6)
     assert report.blocks > 0 and len(report.accuracy) == 3
-    everything = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache], token_budget=128))
+    assert "held-out split of" in report.split and "--eval-fraction 0.3" in report.split
+    by_default = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache]))  # the run's own options
+    assert (by_default.samples, by_default.tau, by_default.loss) == (report.samples, report.tau, report.loss)
+    everything = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache], eval_fraction=0.0))
     assert everything.samples == 16 and everything.blocks > report.blocks
+    assert everything.split == "every sample of the cache"
 
 
 def test_cli(qwen3_target_dir, conversations, tmp_path):

@@ -129,11 +129,11 @@ def test_describe_plan(data):
     lines = describe_plan(batches, length_of)
     sizes = [len(b) for b in batches]
     assert lines[0] == (
-        f"Batches per epoch: {len(batches)} (min={min(sizes)} max={max(sizes)} avg={np.mean(sizes):.1f})"
+        f"Batches per epoch: {len(batches)} of {min(sizes)} to {max(sizes)} sequences (avg {np.mean(sizes):.1f})"
     )
     counted = 0
     for line in lines[1:]:
-        lo, hi, count, share = re.fullmatch(r"Bucket \d+ \[(\d+),(\d+)\): (\d+) batches \(([\d.]+)%\)", line).groups()
+        lo, hi, count, share = re.fullmatch(r"Bucket \d+, longest sample \[(\d+),(\d+)\) tokens: (\d+) batches \(([\d.]+)%\)", line).groups()
         in_bucket = [b for b in batches if int(lo) <= max(length_of[i] for i in b) < int(hi)]
         assert len(in_bucket) == int(count) and float(share) == round(100 * int(count) / len(batches), 1)
         counted += int(count)

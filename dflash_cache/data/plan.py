@@ -107,9 +107,9 @@ def describe_plan(batches: list[list[int]], lengths: Mapping[int, int] | Sequenc
     sizes = np.array([len(b) for b in batches])
     longest = np.array([max(lengths[i] for i in b) for b in batches])
     bounds = length_buckets(int(longest.max()))
-    lines = [f"Batches per epoch: {len(batches)} (min={sizes.min()} max={sizes.max()} avg={sizes.mean():.1f})"]
+    lines = [f"Batches per epoch: {len(batches)} of {sizes.min()} to {sizes.max()} sequences (avg {sizes.mean():.1f})"]
     bucket = _bucket_of(longest, bounds)
     for k, count in zip(*np.unique(bucket, return_counts=True)):
         share = 100.0 * count / len(batches)
-        lines.append(f"Bucket {k} [{bounds[k]},{bounds[k + 1]}): {count} batches ({share:.1f}%)")
+        lines.append(f"Bucket {k}, longest sample [{bounds[k]},{bounds[k + 1]}) tokens: {count} batches ({share:.1f}%)")
     return lines

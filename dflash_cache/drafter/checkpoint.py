@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from dflash_cache.safetensors_file import save_tensors
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
@@ -22,7 +23,7 @@ def save_drafter(model: DFlashDrafter, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
-    save_file(state, directory / WEIGHTS_FILE)
+    save_tensors(state, directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
 
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from dflash_cache.safetensors_file import save_tensors
 from dflash_cache.drafter.checkpoint import load_drafter_state
 from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.choices import EXPORT_DTYPES
@@ -25,6 +25,6 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in state.items()}
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config_to_reference(config, dtype), indent=2) + "\n")
     return out_dir

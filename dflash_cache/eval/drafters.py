@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -22,18 +23,25 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+from dflash_cache.train.rundir import RUN_FILE
 
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
 
 
-def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
-    """(config, weights, the folder they came from)."""
+def checkpoint_of(path: str | Path) -> Path:
+    """A training run folder's newest complete checkpoint; any other path as it is."""
     path = Path(path)
     if (path / CHECKPOINT_DIR).is_dir() and not (path / WEIGHTS_FILE).is_file():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
             raise DFlashCacheError(f"{path} is a training run without a complete checkpoint yet.")
-        path = checkpoint
+        return checkpoint
+    return path
+
+
+def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
+    """(config, weights, the folder they came from)."""
+    path = checkpoint_of(path)
     if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
         config, state = load_drafter_state(path)
         return config, state, path
@@ -43,6 +51,34 @@ def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tenso
         f"{path} holds no drafter: pass a training checkpoint (RUN/checkpoints/step-N, with {WEIGHTS_FILE}), "
         f"a training run folder, or an export (with {EXPORT_WEIGHTS} and {EXPORT_CONFIG})."
     )
+
+
+def training_run(source: Path) -> Path | None:
+    """The run folder of a drafter read from `source` (a checkpoint of it), or None (an export)."""
+    source = Path(source)
+    run = source.parent.parent
+    return run if source.parent.name == CHECKPOINT_DIR and (run / RUN_FILE).is_file() else None
+
+
+def _run_file(run: Path) -> dict:
+    try:
+        values = json.loads((run / RUN_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DFlashCacheError(f"{run / RUN_FILE}: unreadable ({e}); pass --eval-fraction and the other options") from None
+    if not isinstance(values, dict):
+        raise DFlashCacheError(f"{run / RUN_FILE} is not a JSON object; pass --eval-fraction and the other options")
+    return values
+
+
+def run_options(run: Path) -> dict:
+    """The training options a run recorded (eval_fraction, seed, token_budget, max_anchors, gamma, labels...)."""
+    options = _run_file(run).get("options")
+    return options if isinstance(options, dict) else {}
+
+
+def run_caches(run: Path) -> list:
+    """The specs of the caches a run trained on."""
+    return _run_file(run).get("cache_specs", [])
 
 
 def check_fits(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int, layer_ids: list[int] | None = None) -> None:

@@ -10,7 +10,7 @@ than the target's own output, and every block is scored on its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,24 +19,36 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.eval.drafters import build_drafter, check_fits, read_drafter
+from dflash_cache.eval.drafters import build_drafter, check_fits, read_drafter, run_caches, run_options, training_run
 from dflash_cache.eval.speculative import default_device
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.epochs import EVAL, batch_seed, held_out_batches
 from dflash_cache.stream.loader import Loader
+from dflash_cache.train.budget import device_defaults, is_out_of_memory, out_of_memory
 
 
 @dataclass
 class OfflineOptions:
+    """None: the value of the training run the drafter comes from (its held-out split, batches and
+    anchors), or for an export, which has no run, every sample with the device type's defaults."""
+
     drafter: Path
     caches: list[str | Path]  # folders or fsspec URLs
-    eval_fraction: float = 0.0  # 0: every sample; else the samples a run with this --eval-fraction holds out
-    token_budget: int = 49152
-    max_anchors: int = 512
-    seed: int = 0
-    gamma: float = 7.0
-    labels: str = "target"
+    eval_fraction: float | None = None  # 0: every sample; else the samples a run with this --eval-fraction holds out
+    token_budget: int | None = None
+    max_anchors: int | None = None
+    seed: int | None = None
+    gamma: float | None = None
+    labels: str | None = None
     device: str | None = None
+
+    def resolved(self, run_options: dict, device_type: str) -> "OfflineOptions":
+        token_budget, max_anchors = device_defaults(device_type)
+        fallback = {"eval_fraction": 0.0, "token_budget": token_budget, "max_anchors": max_anchors, "seed": 0,
+                    "gamma": 7.0, "labels": "target"}
+        values = {name: getattr(self, name) if getattr(self, name) is not None else run_options.get(name, default)
+                  for name, default in fallback.items()}
+        return replace(self, **values)
 
 
 @dataclass
@@ -47,9 +59,11 @@ class OfflineReport:
     tau: float
     accuracy: list[float]  # per slot 1 .. B-1: share of counted slots predicted right (teacher forced)
     loss: float  # mean over batches, as the trainer logs eval_loss
+    split: str = ""  # which samples, in words
 
     def lines(self) -> list[str]:
         return [
+            f"samples: {self.split}",
             f"{self.samples} samples, {self.blocks} blocks: tau {self.tau:.3f}, loss {self.loss:.4f}",
             "accuracy per block position 1..{}: {}".format(len(self.accuracy), " ".join(f"{a:.2f}" for a in self.accuracy)),
         ]
@@ -58,18 +72,29 @@ class OfflineReport:
 @torch.no_grad()
 def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] = lambda done, total: None) -> OfflineReport:
     device = default_device(opts.device)
+    config, state, source = read_drafter(opts.drafter)
+    run = training_run(source)
+    opts = opts.resolved(run_options(run) if run else {}, device.type)
     caches = CacheSet(opts.caches)
     try:
         spec = caches.spec
-        config, state, source = read_drafter(opts.drafter)
         check_fits(config, spec["target"]["hidden_size"], spec["target"]["vocab_size"], spec["target"]["num_layers"],
                    spec["layer_ids"])
         head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
-        runner = DrafterRunner(build_drafter(config, state, head, device))
+        # On the CPU the dense-mask attention: flex-attention runs unfused there and holds every score.
+        attention = "dense" if device.type == "cpu" else "flex"
+        runner = DrafterRunner(build_drafter(config, state, head, device, attention=attention))
         train_keys, held_keys = caches.split(opts.eval_fraction)
-        keys = held_keys if opts.eval_fraction > 0 else train_keys
+        keys = train_keys if opts.eval_fraction == 0 else held_keys
         if not keys:
             raise DFlashCacheError(f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it.")
+        if opts.eval_fraction == 0:
+            split = "every sample of the cache" + ("" if run else " (the drafter comes from no training run)")
+        else:
+            whose = f"the held-out split of {run}" if run else "the held-out split"
+            split = f"{whose} (--eval-fraction {opts.eval_fraction}, by a hash of the sample id)"
+        if run and [c.spec for c in caches.caches] != run_caches(run):
+            split += "; this is not the cache the run trained on"
         plan = held_out_batches(keys, caches.lengths, opts.token_budget, opts.seed, rank=0, world=1)
         slots = config.block_size - 1
         tau_sum, blocks, loss = 0.0, 0, 0.0
@@ -78,8 +103,15 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
             for done, ((index, _), batch) in enumerate(zip(plan, loader), 1):
                 generator = torch.Generator(device).manual_seed(batch_seed(opts.seed, EVAL, 0, index))
                 anchors = sample_anchors(batch, config.block_size, opts.max_anchors, generator)
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels)
+                try:
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    raise DFlashCacheError(out_of_memory(device, f"on a batch of {batch.num_tokens:,} tokens in "
+                                                                 f"{batch.num_sequences} sequences", opts.token_budget,
+                                                         opts.max_anchors)) from None
                 tau_sum += float(out.tau * out.num_blocks)
                 blocks += int(out.num_blocks)
                 loss += float(out.loss)
@@ -95,4 +127,5 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
         tau=tau_sum / max(blocks, 1),
         accuracy=(correct / total.clamp_min(1)).tolist(),
         loss=loss / max(len(plan), 1),
+        split=split,
     )

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from dflash_cache.safetensors_file import save_tensors
 from dflash_cache.extract.target import Target
 
 
@@ -43,7 +43,7 @@ def save_target_files(target: Target, out_dir: str | Path) -> None:
         "lm_head.weight": model.get_output_embeddings().weight,
     }
     tensors = {name: t.detach().to("cpu", torch.bfloat16).contiguous().clone() for name, t in tensors.items()}
-    save_file(tensors, out_dir / "head.safetensors")
+    save_tensors(tensors, out_dir / "head.safetensors")
     eps = float(target.config.rms_norm_eps)
     head = {
         "hidden_size": target.hidden_size,

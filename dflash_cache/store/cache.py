@@ -190,7 +190,8 @@ class Cache:
     def read_stored(self, sample_id: int) -> StoredRow:
         """The row as stored (compressed), checksum verified. Safe to call from several threads."""
         if sample_id not in self._where:
-            raise KeyError(sample_id)
+            raise KeyError(f"sample id {sample_id!r} is not in this cache (a sample id is the record's number "
+                           "among all records of the --data files, in order, from 0)")
         s, r = self._where[sample_id]
         with self._pool.reader((self, s), lambda: self._open_shard(s)) as reader:
             if self._verify and s not in self._verified:

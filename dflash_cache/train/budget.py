@@ -20,6 +20,7 @@ from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import parameter_count
 from dflash_cache.drafter.head_loss import LOGITS_PER_CHUNK
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.units import size as gb
 
 # (token budget, max anchors per sequence). On a GPU the reference settings; on the CPU the attention
 # is computed against a dense mask over the whole packed batch, so its cost grows with
@@ -53,11 +54,6 @@ class StepMemory:
         return (f"about {gb(self.total)} per step (weights and optimizer {gb(self.weights)}, target head "
                 f"{gb(self.head)}, activations {gb(self.activations)} for the largest batch: {self.tokens:,} tokens, "
                 f"up to {self.blocks:,} blocks)")
-
-
-def gb(n: float) -> str:
-    """Bytes in decimal GB or MB, as every command prints them."""
-    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def batch_anchors(lengths: Sequence[int], block_size: int, max_anchors: int) -> int:

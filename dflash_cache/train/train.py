@@ -40,7 +40,6 @@ from dflash_cache.train.budget import (
     check_fits,
     device_defaults,
     estimate_step_memory,
-    gb,
     head_bytes,
     is_out_of_memory,
     out_of_memory,
@@ -55,6 +54,7 @@ from dflash_cache.train.checkpoint import (
     set_rng_state,
 )
 from dflash_cache.train.config import TrainConfig
+from dflash_cache.units import size as gb
 from dflash_cache.train.distributed import (
     Rank,
     all_gather_objects,
@@ -180,6 +180,8 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     share = me.world if me.device.type == "cpu" else 1  # CPU ranks share this machine's RAM
     check_fits(memory, me.device, cfg.token_budget, cfg.max_anchors, (have // share, what))
     model = build_drafter(config, source.head(me.device), me.device, cfg.seed)
+    if me.device.type == "cpu":  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
+        model.attention = "dense"
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * total)
     scheduler = build_scheduler(optimizer, warmup, total, cfg.min_lr_ratio)
