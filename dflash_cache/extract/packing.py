@@ -80,7 +80,11 @@ class PackedLayout:
         width = self.shape(lengths.tolist(), halvings)[1]
         ids = torch.zeros(1, width, dtype=torch.long)
         ids[0, :used] = torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64))
-        bounds = lengths.tolist() + ([width - used] if used < width else [])  # the padding tail is a sequence of its own
+        # The padding tail is cut into sequences of its own, ROUND tokens each: nothing attends across
+        # it, and it costs no more than its tokens (one long tail sequence would cost its square in
+        # attention where attention is computed per sequence, as on the CPU).
+        tail, rest = divmod(width - used, ROUND)
+        bounds = lengths.tolist() + [ROUND] * tail + ([rest] if rest else [])
         cu = torch.zeros(len(bounds) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(bounds, dtype=torch.int32).cumsum(0)
         starts = cu[: len(samples)].long()
