@@ -36,11 +36,39 @@ from pathlib import Path
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "examples" / "assets"
+ANON = None  # AnonPeak of a child process
 TARGET = ASSETS / "target"
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (RssAnon: what it holds, not the pages of
+    files it maps, which the kernel can drop), sampled every 20 ms on a thread."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = 0.0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def now() -> float:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.02)
+
+    def mark(self) -> float:
+        self.peak = max(self.peak, self.now())
+        return self.peak
 
 
 def child(args: list[str], env: dict | None = None) -> dict:
@@ -77,11 +105,15 @@ def run_child_tokenize(data: str, folder: str, workers: int) -> dict:
     from dflash_cache.extract.spec import tokenizer_hash
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
-    started = time.perf_counter()
+    cpu = lambda who: (lambda u: u.ru_utime + u.ru_stime)(resource.getrusage(who))  # noqa: E731
+    started, main_cpu = time.perf_counter(), cpu(resource.RUSAGE_SELF)
     out = tokenized_data([data], tokenizer, 8192, tokenizer_hash(TARGET), Path(folder), workers=workers)
     seconds = time.perf_counter() - started
+    main_cpu = cpu(resource.RUSAGE_SELF) - main_cpu
+    cpu_s = main_cpu + cpu(resource.RUSAGE_CHILDREN)  # the pool's processes have been joined
     tokens = int(out.lengths.sum())
-    return {"samples": len(out.lengths), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"samples": len(out.lengths), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s, "main_cpu_s": main_cpu}
 
 
 # ---- 2. the front end of an extraction --------------------------------------------------------------
@@ -108,7 +140,7 @@ def run_child_extract(data: str, out: str, tokenized: str) -> dict:
     """`extract` up to the worker's start; prints seconds since this process started and peak RSS."""
     import dflash_cache.extract.pipeline as pipeline
 
-    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb(), "import_anon_mb": ANON.mark()}
 
     def first_forward(jobs, on_progress):
         job = jobs[0]
@@ -116,7 +148,7 @@ def run_child_extract(data: str, out: str, tokenized: str) -> dict:
         # then the first batch's tokens, to the device.
         largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
         first = sum(int(job.samples[sid].input_ids.sum() >= 0) for sid in job.batches[0]) if job.batches else 0
-        probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb(), rank=job.rank,
+        probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb(), anon_peak_mb=ANON.mark(), rank=job.rank,
                      batches=len(job.batches), samples=len(job.samples), largest_batch=largest, first_batch=first,
                      spec=job.spec)
         raise SystemExit(0)
@@ -136,10 +168,11 @@ def run_child_old_front_end(data: str) -> dict:
 
     from dflash_cache.data.dataset import load_samples
 
-    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb(), "import_anon_mb": ANON.mark()}
     tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
     data = load_samples([data], tokenizer, 8192)
-    return {**probe, "seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb(), "samples": len(data.samples)}
+    return {**probe, "seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb(), "anon_peak_mb": ANON.mark(),
+            "samples": len(data.samples)}
 
 
 def write_half_journal(out: Path, spec: dict, samples: int) -> None:
@@ -207,12 +240,12 @@ def run_child_train(cache: str, out: str, drafter: str) -> dict:
     import dflash_cache.train.train as train_module
     from dflash_cache.train.config import TrainConfig
 
-    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb()}
+    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb(), "import_anon_mb": ANON.mark()}
     real_step = train_module.train_step
 
     def step(*args, **kwargs):
         if "seconds" not in probe:
-            probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb())
+            probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb(), anon_peak_mb=ANON.mark())
         return real_step(*args, **kwargs)
 
     train_module.train_step = step
@@ -226,25 +259,29 @@ def run_child_train(cache: str, out: str, drafter: str) -> dict:
 
 
 def figures(r: dict) -> str:
-    """Time from the process start (of which imports) and peak RSS (of which after the imports)."""
-    return (f"{r['seconds']:.1f} s ({r['seconds'] - r['import_s']:.1f} s after imports), peak {r['peak_rss_mb']:,.0f} MB "
-            f"(+{r['peak_rss_mb'] - r['import_rss_mb']:,.0f} MB over imports)")
+    """Time from the process start (of which after the imports); peak anonymous memory (of which
+    over the imports) and peak RSS, mapped files included."""
+    return (f"{r['seconds']:.1f} s ({r['seconds'] - r['import_s']:.1f} s after imports), anon peak "
+            f"{r['anon_peak_mb']:,.0f} MB (+{r['anon_peak_mb'] - r['import_anon_mb']:,.0f} over imports), "
+            f"RSS peak {r['peak_rss_mb']:,.0f} MB")
 
 
 def worst(rows: list[dict]) -> str:
     slowest = max(rows, key=lambda r: r["seconds"] - r["import_s"])
-    biggest = max(rows, key=lambda r: r["peak_rss_mb"] - r["import_rss_mb"])
-    return (f"{slowest['seconds'] - slowest['import_s']:.1f} s after imports, "
-            f"+{biggest['peak_rss_mb'] - biggest['import_rss_mb']:,.0f} MB over imports")
+    biggest = max(rows, key=lambda r: r["anon_peak_mb"] - r["import_anon_mb"])
+    return (f"{slowest['seconds'] - slowest['import_s']:.1f} s after imports, anon "
+            f"+{biggest['anon_peak_mb'] - biggest['import_anon_mb']:,.0f} MB over imports, "
+            f"RSS peak {max(r['peak_rss_mb'] for r in rows):,.0f} MB")
 
 
 def report(results: dict) -> list[str]:
     lines = []
-    t = results["tokenize"]
+    t = results["tokenize"] or {"records": 0, "cores": os.cpu_count(), "runs": []}
     lines.append(f"tokenization, {t['records']} bundled conversations, {t['cores']} cores:")
     for r in t["runs"]:
         lines.append(f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
-                     f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process")
+                     f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process; {r['tokens_per_cpu_s']:,.0f} tokens per "
+                     f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time")
     for f in results["front_end"]:
         lines.append(f"front end, {f['samples']:,} samples, {f['tokens']:,} tokens ({f['data_gb']:.1f} GB of data):")
         for name in ("fresh", "resumed"):
@@ -261,6 +298,8 @@ def report(results: dict) -> list[str]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("--child-"):
+        global ANON
+        ANON = AnonPeak()
         kind, rest = sys.argv[1], sys.argv[2:]
         run = {"--child-tokenize": lambda: run_child_tokenize(rest[0], rest[1], int(rest[2])),
                "--child-extract": lambda: run_child_extract(*rest), "--child-old": lambda: run_child_old_front_end(*rest),
@@ -277,7 +316,8 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dflash-scale-", dir=args.work))
     try:
-        results = {"tokenize": tokenize_throughput(work, args.tokenize_records), "front_end": []}
+        results = {"tokenize": tokenize_throughput(work, args.tokenize_records) if args.tokenize_records else None,
+                   "front_end": []}
         print("\n".join(report(results)), flush=True)
         for size in (int(s) for s in args.sizes.split(",") if s):
             results["front_end"].append(front_end(work, size, args.world))
