@@ -1,0 +1,81 @@
+"""Training compiles nothing after a short warm-up, whatever the batch shape (issue 15, item 3).
+
+The same count as benchmarks/recompiles.py (`CompileCounts`), on a tiny drafter: the CPU has no
+flex-attention backward, so eager mode here trains through the dense reference and must compile
+nothing at all; compiled mode runs under aot_eager (inductor's capture, guards and autograd graphs).
+"""
+
+import pytest
+import torch
+
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.drafter.runner import DrafterRunner
+from tests.test_drafter_helpers import random_batch, random_head, tiny_config
+
+TOKENS, ANCHORS, WARMUP, STEPS = 160, 12, 3, 30
+
+
+def test_plans_never_repeat_a_shape_and_stay_in_budget():
+    plans = distinct_length_plans(200, 160, seed=3)
+    assert len({tuple(p) for p in plans}) == 200
+    assert all(0 < sum(p) <= 160 and min(p) >= 8 for p in plans)
+    assert len({sum(p) for p in plans}) >= 40  # totals vary (at most 160 - 80 + 1 possible)
+    assert len({len(p) for p in plans}) >= 5
+    with pytest.raises(ValueError, match="distinct"):
+        distinct_length_plans(50, 8)
+
+
+def test_counts_see_recompilations_and_frames_left_to_eager():
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
+    start = CompileCounts.now()
+    f(torch.ones(3))
+    first = CompileCounts.now()
+    f(torch.ones(3))
+    assert not (CompileCounts.now() - first).compiled_anything
+    f(torch.ones(5))
+    again = CompileCounts.now() - first
+    assert (again.frames, again.graphs, len(again.reasons)) == (1, 1, 1)
+    assert "size mismatch" in again.reasons[0] and (first - start).frames == 1
+    with torch._dynamo.config.patch(recompile_limit=2):
+        before = CompileCounts.now()
+        f(torch.ones(7))
+        gave_up = CompileCounts.now() - before
+    assert gave_up.frames == 0 and gave_up.left_to_eager == 1 and gave_up.compiled_anything
+
+
+def train_steps(compiled: bool, plans: list[list[int]]) -> list[CompileCounts]:
+    """What compiled during each training step (autocast, forward, backward, clipping, AdamW)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config(), random_head(0), tile=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runner = DrafterRunner(model, compiled=compiled, token_budget=TOKENS, anchor_budget=ANCHORS, backend="aot_eager")
+    per_step = []
+    for k, lengths in enumerate(plans):
+        batch = random_batch(lengths, seed=k)
+        anchors = sample_anchors(batch, 4, 4, torch.Generator().manual_seed(k), max_total=ANCHORS)
+        before = CompileCounts.now()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = runner(batch, anchors, gamma=4.0)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        assert torch.isfinite(out.loss)
+        per_step.append(CompileCounts.now() - before)
+    return per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_training_compiles_nothing_after_warmup(compiled):
+    plans = distinct_length_plans(WARMUP + STEPS, TOKENS, seed=1)
+    per_step = train_steps(compiled, plans)
+    after = [k for k, counts in enumerate(per_step[WARMUP:], WARMUP) if counts.compiled_anything]
+    assert after == [], [per_step[k].reasons for k in after]
+    warmup = per_step[:WARMUP]
+    assert sum(c.left_to_eager for c in warmup) == 0  # nothing fell back to eager during the warm-up either
+    assert sum(c.frames for c in warmup) == (1 if compiled else 0)
