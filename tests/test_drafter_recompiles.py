@@ -79,3 +79,30 @@ def test_training_compiles_nothing_after_warmup(compiled):
     warmup = per_step[:WARMUP]
     assert sum(c.left_to_eager for c in warmup) == 0  # nothing fell back to eager during the warm-up either
     assert sum(c.frames for c in warmup) == (1 if compiled else 0)
+
+
+@pytest.mark.slow
+def test_eager_modes_attention_kernel_has_no_shape_guards():
+    """Eager mode's one compiled piece on CUDA, the dynamic-shape flex kernel, fed this drafter's
+    BlockMasks: a graph per layer type (the window is a constant of the mask function) at the first
+    shape, at most one more each at the second (here the first specializes the number of query
+    tiles, and automatic dynamic shapes lift it), then none. Forward only: the CPU has no flex backward."""
+    from dflash_cache.drafter.attention import compile_flex_attention
+    from dflash_cache.drafter.masks import BlockLayout, block_mask
+
+    torch._dynamo.reset()
+    kernel = compile_flex_attention("aot_eager")
+    per_call = []
+    for k, lengths in enumerate(distinct_length_plans(12, 400, seed=2)):
+        batch = random_batch(lengths, seed=k)
+        anchors = sample_anchors(batch, 4, 8, torch.Generator().manual_seed(k))
+        layout = BlockLayout.build(batch.sequence_ids(), batch.position_ids(), anchors, 4, tile=16)
+        q = torch.randn(1, 4, layout.num_queries, 8)
+        kv = torch.randn(1, 2, layout.num_keys, 8)
+        for window in (None, 6):
+            before = CompileCounts.now()
+            with torch.no_grad():
+                kernel(q, kv, kv, block_mask=block_mask(layout, window, tile=16), enable_gqa=True)
+            per_call.append(CompileCounts.now() - before)
+    assert [c.frames for c in per_call[:2]] == [1, 1] and sum(c.frames for c in per_call[2:4]) <= 2
+    assert [k for k, c in enumerate(per_call[4:], 4) if c.compiled_anything] == [], [c.reasons for c in per_call[4:]]
