@@ -80,7 +80,8 @@ def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
     return 3 * layers_fwd + 2 * fc + 2 * lm_head
 
 
-def run_mode(mode: str, args, config, device: str) -> dict:
+def random_drafter(config, device: str) -> tuple[DFlashDrafter, torch.optim.AdamW]:
+    """The drafter of `config` over a random frozen target head, and its AdamW, seeded."""
     torch.manual_seed(0)
     head = TargetHead(
         embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
@@ -88,7 +89,11 @@ def run_mode(mode: str, args, config, device: str) -> dict:
         lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
     ).to(device=device, dtype=torch.bfloat16)
     model = DFlashDrafter(config, head).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
+
+
+def run_mode(mode: str, args, config, device: str) -> dict:
+    model, optimizer = random_drafter(config, device)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
     batches = [synthetic_batch(config, args.tokens, seed, device) for seed in (1, 2)]
     g = torch.Generator(device=device).manual_seed(0)

@@ -30,12 +30,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.drafter import random_drafter
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
 from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
-from dflash_cache.drafter.head import TargetHead
-from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 
 # Both layer types, GQA, a window that cuts context: every code path of the drafter, CPU-sized.
@@ -70,14 +69,7 @@ def packed_batch(config: DrafterConfig, lengths: list[int], seed: int, device: s
 def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> dict:
     device = args.device
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    head = TargetHead(
-        embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
-        norm=torch.ones(config.hidden_size),
-        lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
-    ).to(device=device, dtype=torch.bfloat16)
-    model = DFlashDrafter(config, head).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
+    model, optimizer = random_drafter(config, device)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
                            backend=args.backend)
     g = torch.Generator(device=device).manual_seed(0)
