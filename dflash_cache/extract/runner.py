@@ -8,11 +8,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.batch import ForwardBatch, to_device
+from dflash_cache.extract.batch import ForwardBatch, padded_rows, to_device
 from dflash_cache.extract.target import Target
 from dflash_cache.extract.varlen import packed_kernels
 
@@ -30,11 +29,8 @@ class TargetOutput:
 
 def padded_batch(samples: list[Sample], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples' token ids right-padded with zeros, [B, T] on `device`, and their lengths [B] on the CPU."""
-    lengths = torch.tensor([len(s.input_ids) for s in samples])
-    ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
-    for b, s in enumerate(samples):
-        ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
-    return to_device(ids, device), lengths
+    fb = padded_rows(samples, (len(samples), max(len(s.input_ids) for s in samples)), device)
+    return fb.input_ids, fb.lengths
 
 
 class _StopForward(Exception):

@@ -127,10 +127,10 @@ def _rule_options(kwargs: dict) -> dict:
 def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
     """While active, the linear-attention layers of a qwen3_5 `model` respect packed boundaries
     (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
-    module = importlib.import_module(_QWEN3_5) if any(type(m).__name__ == "Qwen3_5GatedDeltaNet" for m in model.modules()) else None
-    if module is None:
+    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
         yield
         return
+    module = importlib.import_module(_QWEN3_5)
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
     # The reference torch code under transformers' kernel dispatch, for one sample at a time (the
     # dispatch would send CPU tensors to flash-linear-attention where it is installed).
