@@ -94,7 +94,7 @@ def extract_cache(cfg: TrainConfig, target: Target, root: Path, tokens: int) -> 
     bf16-zstd` would (its per-rank loop, one rank; padded, as the live target runs); returns (seconds,
     bytes stored)."""
     live = open_source(cfg, target=target).live
-    samples = {s.sample_id: s for s in live.samples}
+    samples = live.samples  # sample id -> Sample
     layout = BucketLayout(tokens, max(live.lengths))
     batches = layout.plan(list(samples), live.lengths)
     job = RankJob(root=root, target_path=target.path, device=str(live.device), rank=0, spec={**live.spec, "codec": CODEC},

@@ -14,8 +14,7 @@
    first batch's tokens are read). The target's loading is left out. Reported per rank: seconds from
    the process start to that point, and peak resident memory (ru_maxrss), for a fresh extraction
    (rank 0 tokenizes; in a real torchrun the other ranks wait for it, here they run after it) and for a
-   resumed one (journals list half the samples as committed; the tokenized data exists). For N <=
-   100,000 also the old front end's figure: every sample tokenized and held in one process.
+   resumed one (journals list half the samples as committed; the tokenized data exists).
 3. Time to the first training step on a cache of --shards one-row shards (tiny rows: the manifest's
    size and the first batch's reads are measured, not the rows' decompression), with the tiny test drafter.
 """
@@ -92,7 +91,9 @@ def tokenize_throughput(work: Path, records: int) -> dict:
     cores = os.cpu_count() or 1
     rows = {}
     for workers in sorted({1, 2, cores}):
-        rows[workers] = child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)])
+        load = os.getloadavg()[0]  # other work on the machine: the figures mean little when it is high
+        rows[workers] = {**child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)]),
+                         "load_before": load, "load_after": os.getloadavg()[0]}
     one = rows[1]["tokens_per_s"]
     return {"records": records, "cores": cores,
             "runs": [{**r, "workers": w, "factor": r["tokens_per_s"] / one} for w, r in rows.items()]}
@@ -163,18 +164,6 @@ def run_child_extract(data: str, out: str, tokenized: str) -> dict:
     return probe
 
 
-def run_child_old_front_end(data: str) -> dict:
-    from transformers import AutoTokenizer
-
-    from dflash_cache.data.dataset import load_samples
-
-    probe = {"import_s": time.perf_counter() - START, "import_rss_mb": peak_rss_mb(), "import_anon_mb": ANON.mark()}
-    tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
-    data = load_samples([data], tokenizer, 8192)
-    return {**probe, "seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb(), "anon_peak_mb": ANON.mark(),
-            "samples": len(data.samples)}
-
-
 def write_half_journal(out: Path, spec: dict, samples: int) -> None:
     """Journals of a run that committed the first half of the samples (100 per shard record). The
     shard files themselves are not needed before the first forward of a resumed run."""
@@ -206,12 +195,14 @@ def front_end(work: Path, samples: int, world: int) -> dict:
                                {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}) for r in range(world)]
     result["fresh"] = ranks(folder / "fresh")
     result["single_process"] = child(["--child-extract", str(data), str(folder / "single"), str(tokenized)])
-    write_half_journal(folder / "resumed", result["single_process"].pop("spec"), samples)
+    spec = result["single_process"].pop("spec")
+    for name in ("resumed", "single_resumed"):
+        write_half_journal(folder / name, spec, samples)
     result["resumed"] = ranks(folder / "resumed")
+    result["single_resumed"] = child(["--child-extract", str(data), str(folder / "single_resumed"), str(tokenized)])
+    result["single_resumed"].pop("spec")
     for r in result["fresh"] + result["resumed"]:
         r.pop("spec", None)
-    if samples <= 100_000:
-        result["old_front_end"] = child(["--child-old", str(data)])
     shutil.rmtree(folder)
     return result
 
@@ -281,15 +272,21 @@ def report(results: dict) -> list[str]:
     for r in t["runs"]:
         lines.append(f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
                      f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process; {r['tokens_per_cpu_s']:,.0f} tokens per "
-                     f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time")
+                     f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time; load average "
+                     f"{r['load_before']:.2f} before, {r['load_after']:.2f} after")
     for f in results["front_end"]:
         lines.append(f"front end, {f['samples']:,} samples, {f['tokens']:,} tokens ({f['data_gb']:.1f} GB of data):")
         for name in ("fresh", "resumed"):
             rows = f[name]
             lines.append(f"  {name:8s} rank 0: {figures(rows[0])}; ranks 1-{len(rows) - 1}, worst: {worst(rows[1:])}")
-        lines.append(f"  single process (tokenized data kept): {figures(f['single_process'])}")
-        if "old_front_end" in f:
-            lines.append(f"  old front end, one process tokenizing and holding every sample: {figures(f['old_front_end'])}")
+        lines.append(f"  single process, fresh (tokenized data kept): {figures(f['single_process'])}")
+        lines.append(f"  single process, resumed: {figures(f['single_resumed'])}")
+        over = lambda r: r["anon_peak_mb"] - r["import_anon_mb"]  # noqa: E731
+        world = len(f["fresh"])
+        for name, rows, one in (("fresh", f["fresh"][1:], f["single_process"]), ("resumed", f["resumed"], f["single_resumed"])):
+            rank, one = max(map(over, rows)), over(one)
+            lines.append(f"  {name}: anon over imports, worst rank{' but 0' if name == 'fresh' else ''} +{rank:,.0f} MB; one process "
+                         f"+{one:,.0f} MB, 1/{world} of it {one / world:,.0f} MB; the difference {rank - one / world:+,.0f} MB")
     s = results.get("first_step")
     if s:
         lines.append(f"first training step, {s['shards']:,} one-row shards ({s['manifest_mb']:.0f} MB manifest): {figures(s)}")
@@ -302,7 +299,7 @@ def main() -> None:
         ANON = AnonPeak()
         kind, rest = sys.argv[1], sys.argv[2:]
         run = {"--child-tokenize": lambda: run_child_tokenize(rest[0], rest[1], int(rest[2])),
-               "--child-extract": lambda: run_child_extract(*rest), "--child-old": lambda: run_child_old_front_end(*rest),
+               "--child-extract": lambda: run_child_extract(*rest),
                "--child-train": lambda: run_child_train(*rest)}[kind]
         print(json.dumps(run()))
         return
@@ -321,7 +318,7 @@ def main() -> None:
         print("\n".join(report(results)), flush=True)
         for size in (int(s) for s in args.sizes.split(",") if s):
             results["front_end"].append(front_end(work, size, args.world))
-            print("\n".join(report(results)[-6:]), flush=True)
+            print("\n".join(report(results)[-7:]), flush=True)
         if args.shards:
             results["first_step"] = first_step(work, args.shards)
         print("\n" + "\n".join(report(results)))

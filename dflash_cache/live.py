@@ -15,7 +15,7 @@ cache only up to that rounding).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,13 +24,14 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_cache.batch import FeatureBatch
-from dflash_cache.data.dataset import Sample, load_samples
+from dflash_cache.data.dataset import Sample
+from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.info import read_target_info
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.runner import TargetRunner, padded_batch
-from dflash_cache.extract.spec import make_spec
+from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.target import Target, load_target, resolve_layer_ids
 from dflash_cache.stream.caches import is_held_out
 
@@ -72,16 +73,19 @@ class LiveSource:
         self.forward_tokens = forward_tokens
         self.alone = BucketLayout(token_budget=1, max_length=max_length)
         tokenizer = AutoTokenizer.from_pretrained(self.info.path, local_files_only=True)
-        loaded = load_samples(list(data), tokenizer, max_length)
-        self.samples: list[Sample] = loaded.samples
-        self.lengths: list[int] = [len(s.input_ids) for s in self.samples]
-        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, loaded.source_hash, max_length, topk=0,
+        # The tokenized-data cache extraction uses: tokenized once (in parallel) and shared with `extract`
+        # of the same data; samples are read from it when a batch needs them.
+        tokenized = tokenized_data(list(data), tokenizer, max_length, tokenizer_hash(self.info.path))
+        self.sample_ids: np.ndarray = tokenized.sample_ids  # by key
+        self.samples: Mapping[int, Sample] = tokenized.samples(tokenized.sample_ids)  # by sample id
+        self.lengths: list[int] = tokenized.lengths.tolist()
+        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, tokenized.source_hash, max_length, topk=0,
                               token_budget=None)
         self.width = len(self.layer_ids) * self.info.hidden_size
         self._runner: TargetRunner | None = TargetRunner(built, self.layer_ids) if built else None
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.sample_ids)
 
     @property
     def head_dir(self) -> Path:
@@ -89,7 +93,7 @@ class LiveSource:
         return self.info.path
 
     def sample_id(self, key: int) -> int:
-        return self.samples[key].sample_id
+        return int(self.sample_ids[key])
 
     def describe(self, key: int) -> str:
         return f"sample {self.sample_id(key)}"
@@ -97,7 +101,7 @@ class LiveSource:
     def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
         """(train keys, held-out keys), chosen by sample id as for a cache."""
         train, held_out = [], []
-        for key in range(len(self.samples)):
+        for key in range(len(self)):
             (held_out if is_held_out(self.sample_id(key), eval_fraction) else train).append(key)
         return train, held_out
 
@@ -116,7 +120,7 @@ class LiveSource:
             yield self.batch(keys, device)
 
     def batch(self, keys: Sequence[int], device: torch.device | str) -> FeatureBatch:
-        samples = [self.samples[k] for k in keys]
+        samples = [self.samples[self.sample_id(k)] for k in keys]
         hidden, target_ids = [], []
         # The target's GPU may not be the current one (the drafter's, under `train --target-gpus`).
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():

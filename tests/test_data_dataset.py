@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_cache.data.dataset import EncodeOptions, load_samples
+from dflash_cache.data.dataset import EncodeOptions
 from dflash_cache.data.tokenize import tokenize_conversation
 from dflash_cache.errors import DFlashCacheError
-from tests.tiny import build_tokenizer
+from tests.tiny import build_tokenizer, load_all
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def files(tmp_path, conversations):
 
 
 def test_load_all_forms_with_stable_ids(files, tokenizer):
-    data = load_samples(files, tokenizer, max_length=4096)
+    data = load_all(files, tokenizer, max_length=4096)
     assert [s.sample_id for s in data.samples] == list(range(17))
     assert data.num_truncated == 0
     first_conversation = json.loads(files[0].read_text().splitlines()[0])["messages"]
@@ -44,15 +44,15 @@ def test_load_all_forms_with_stable_ids(files, tokenizer):
     expected_hash = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
     assert data.source_hash == expected_hash
     # The same file in a different order: ids follow the order, the hash changes.
-    reordered = load_samples(files[::-1], tokenizer, max_length=4096)
+    reordered = load_all(files[::-1], tokenizer, max_length=4096)
     assert reordered.samples[0].input_ids.tolist() == [1, 2, 3]
     assert reordered.source_hash != data.source_hash
 
 
 def test_truncation(files, tokenizer):
     """Samples are cut to max_length; those left with nothing to train on are skipped and listed."""
-    full = load_samples(files, tokenizer, max_length=4096)
-    data = load_samples(files, tokenizer, max_length=20)
+    full = load_all(files, tokenizer, max_length=4096)
+    data = load_all(files, tokenizer, max_length=20)
     kept = {s.sample_id: s for s in data.samples}
     trainable = [s for s in full.samples if s.loss_mask[:20].any()]
     assert sorted(kept) == [s.sample_id for s in trainable]
@@ -67,8 +67,8 @@ def test_truncation(files, tokenizer):
 
 def test_worker_processes_give_the_same_result(files, tokenizer, monkeypatch):
     monkeypatch.setattr("dflash_cache.data.dataset.CHUNK_RECORDS", 3)  # several chunks in flight
-    serial = load_samples(files, tokenizer, max_length=64)
-    parallel = load_samples(files, tokenizer, max_length=64, workers=2)
+    serial = load_all(files, tokenizer, max_length=64)
+    parallel = load_all(files, tokenizer, max_length=64, workers=2)
     assert parallel.num_truncated == serial.num_truncated
     assert [s.sample_id for s in parallel.samples] == [s.sample_id for s in serial.samples]
     for a, b in zip(serial.samples, parallel.samples):
@@ -80,30 +80,30 @@ def test_out_of_vocabulary_ids(tmp_path, tokenizer, workers):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": [1, len(tokenizer)]}) + "\n")
     with pytest.raises(DFlashCacheError, match=rf"bad.jsonl:2: token id {len(tokenizer)} at position 1 is outside"):
-        load_samples([bad], tokenizer, max_length=64, workers=workers)
+        load_all([bad], tokenizer, max_length=64, workers=workers)
     pq.write_table(pa.table({"input_ids": [[5, -1]]}), tmp_path / "bad.parquet")
     with pytest.raises(DFlashCacheError, match=r"bad.parquet row 0: token id -1 at position 1 is outside"):
-        load_samples([tmp_path / "bad.parquet"], tokenizer, max_length=64)
+        load_all([tmp_path / "bad.parquet"], tokenizer, max_length=64)
 
 
 def test_conversations_need_a_chat_template(files):
     no_template = build_tokenizer(chat_template=None)
     with pytest.raises(DFlashCacheError, match=r"conversations.jsonl:1: the tokenizer has no chat template"):
-        load_samples(files, no_template, max_length=64)
+        load_all(files, no_template, max_length=64)
     # pre-tokenized input needs none
-    assert len(load_samples(files[2:], no_template, max_length=64).samples) == 3
+    assert len(load_all(files[2:], no_template, max_length=64).samples) == 3
 
 
 def test_bad_arguments(tmp_path, files, tokenizer):
     with pytest.raises(DFlashCacheError, match="no data files given"):
-        load_samples([], tokenizer, max_length=64)
+        load_all([], tokenizer, max_length=64)
     with pytest.raises(DFlashCacheError, match=r"data file .*missing.jsonl does not exist"):
-        load_samples([files[0], tmp_path / "missing.jsonl"], tokenizer, max_length=64)
+        load_all([files[0], tmp_path / "missing.jsonl"], tokenizer, max_length=64)
     with pytest.raises(DFlashCacheError, match="max length must be at least 1"):
-        load_samples(files, tokenizer, max_length=0)
+        load_all(files, tokenizer, max_length=0)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DFlashCacheError, match="empty.jsonl is empty"):
-        load_samples([files[0], tmp_path / "empty.jsonl"], tokenizer, max_length=64)
+        load_all([files[0], tmp_path / "empty.jsonl"], tokenizer, max_length=64)
 
 
 def mixed_file(tmp_path, tokenizer):
@@ -137,8 +137,8 @@ def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers):
     path = mixed_file(tmp_path, tokenizer)
     options = EncodeOptions(64, max_record_bytes=1000)
     with pytest.raises(DFlashCacheError, match=rf"mixed.jsonl:2: not valid JSON"):
-        load_samples([path], tokenizer, 64, workers=workers, options=options)
-    data = load_samples([path], tokenizer, 64, workers=workers, options=options, on_bad_record="skip")
+        load_all([path], tokenizer, 64, workers=workers, options=options)
+    data = load_all([path], tokenizer, 64, workers=workers, options=options, on_bad_record="skip")
     assert [s.sample_id for s in data.samples] == [0, 7]  # ids stay the record index
     assert [(b["where"], b["reason"].split(" (")[0].split(":")[0]) for b in data.bad_records] == [
         (f"{path}:2", "not valid JSON"),
@@ -162,7 +162,7 @@ def test_one_huge_line_costs_little_memory(tmp_path, tokenizer):
         f.write("\n" + good + "\n")
     tracemalloc.start()
     try:
-        data = load_samples([path], tokenizer, 8192, on_bad_record="skip")
+        data = load_all([path], tokenizer, 8192, on_bad_record="skip")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -177,15 +177,15 @@ def test_unfaithful_template_is_counted_or_refused(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
                                              {"role": "assistant", "reasoning_content": "think", "content": "a"}]}) + "\n")
-    data = load_samples([path], tokenizer, 64)
+    data = load_all([path], tokenizer, 64)
     assert data.unfaithful == 1 and data.unfaithful_examples == [
         f"{path}:1: the template does not render the reasoning of assistant turn 1"]
     assert data.report()["unfaithful"] == {"count": 1, "examples": data.unfaithful_examples}
     with pytest.raises(DFlashCacheError, match=rf"r.jsonl:1: the chat template does not render this conversation faithfully"):
-        load_samples([path], tokenizer, 64, options=EncodeOptions(64, strict_template=True))
+        load_all([path], tokenizer, 64, options=EncodeOptions(64, strict_template=True))
 
 
 def test_masked_token_kinds(tmp_path, tokenizer):
     path = tmp_path / "k.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
-    assert load_samples([path], tokenizer, 64).masked_tokens == {"content": 2, "reasoning": 0, "tool_call": 0, "markup": 0}
+    assert load_all([path], tokenizer, 64).masked_tokens == {"content": 2, "reasoning": 0, "tool_call": 0, "markup": 0}

@@ -10,11 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import dflash_cache.data.tokenized as tokenized
-from dflash_cache.data.dataset import load_samples
 from dflash_cache.data.readers import read_records
 from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.errors import DFlashCacheError
-from tests.tiny import write_conversations
+from tests.tiny import load_all, write_conversations
 
 TOKENIZER_HASH = "t" * 64
 
@@ -33,7 +32,7 @@ def as_lists(samples):
 
 
 def test_equals_direct_tokenization_in_parallel_and_is_read_back_by_extract_data(files, tokenizer, tmp_path):
-    direct = load_samples(files, tokenizer, max_length=40)
+    direct = load_all(files, tokenizer, max_length=40)
     data = tokenized_data(files, tokenizer, 40, TOKENIZER_HASH, tmp_path / "tok", workers=2)
     assert data.sample_ids.tolist() == [s.sample_id for s in direct.samples]
     assert data.lengths.tolist() == [len(s.input_ids) for s in direct.samples]
@@ -89,7 +88,7 @@ def test_a_rank_store_holds_only_its_ids_and_pickles_without_samples(files, toke
     assert len(blob) < 1000  # (path, ids), no token
     copy = pickle.loads(blob)
     assert as_lists([copy[300], copy[3]]) == as_lists([store[300], store[3]])
-    direct = {s.sample_id: s for s in load_samples(files, tokenizer, max_length=64).samples}
+    direct = {s.sample_id: s for s in load_all(files, tokenizer, max_length=64).samples}
     assert as_lists([store[300]]) == as_lists([direct[300]])
 
 
@@ -97,7 +96,7 @@ def test_skipped_records_keep_their_ids_unused_and_are_reported(tmp_path, tokeni
     bad = tmp_path / "bad.jsonl"
     lines = conversations.read_text().splitlines()
     bad.write_text("\n".join([lines[0], "not json", lines[1], '{"input_ids": [5, 999999]}', lines[2]]) + "\n")
-    direct = load_samples([bad], tokenizer, 64, on_bad_record="skip")
+    direct = load_all([bad], tokenizer, 64, on_bad_record="skip")
     data = tokenized_data([bad], tokenizer, 64, TOKENIZER_HASH, tmp_path / "tok", workers=0, on_bad_record="skip")
     assert data.sample_ids.tolist() == [s.sample_id for s in direct.samples] == [0, 2, 4]
     assert data.info.report() == direct.report() and len(data.info.bad_records) == 2

@@ -104,3 +104,14 @@ def write_conversations(path: Path, count: int = 12, seed: int = 0) -> Path:
             messages = ([{"role": "system", "content": "Be brief."}] if i % 2 else []) + turns
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
+
+
+def load_all(paths, tokenizer, max_length: int, workers: int = 0, options=None, on_bad_record: str = "error"):
+    """Every sample `stream_samples` keeps from `paths`, held in one LoadedData with the data's report."""
+    from dflash_cache.data.dataset import LoadedData, checked_inputs, hash_files, stream_samples
+
+    paths, options = checked_inputs(paths, max_length, options, on_bad_record)
+    data = LoadedData([], 0, hash_files(paths))
+    for kept in stream_samples(data, paths, tokenizer, options, workers, on_bad_record):
+        data.samples.extend(kept)
+    return data

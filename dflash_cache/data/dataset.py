@@ -1,4 +1,4 @@
-"""Load `--data` files into tokenized samples with stable ids.
+"""Stream `--data` files as tokenized samples with stable ids.
 
 A sample's id is the index of its record among all records of the given files, taken in the order
 given (records of the first file are 0..n1-1, those of the second n1..n1+n2-1, and so on; blank JSONL
@@ -76,9 +76,6 @@ class LoadedData:
     unfaithful_examples: list[str] = field(default_factory=list)
     masked_tokens: dict[str, int] = field(default_factory=dict)  # masked tokens of each kind
 
-    def lengths(self) -> np.ndarray:
-        return np.array([len(s.input_ids) for s in self.samples], dtype=np.int64)
-
     def report(self) -> dict:
         """What the manifest records about the data, besides the samples."""
         return {
@@ -88,22 +85,6 @@ class LoadedData:
             "unfaithful": {"count": self.unfaithful, "examples": self.unfaithful_examples},
             "masked_tokens": self.masked_tokens,
         }
-
-
-def load_samples(
-    paths: Sequence[str | Path], tokenizer, max_length: int, workers: int = 0,
-    options: EncodeOptions | None = None, on_bad_record: str = "error",
-) -> LoadedData:
-    """Read, tokenize and truncate every record of `paths`.
-
-    `workers` > 1 tokenizes in that many processes; the result is identical to `workers=0`
-    (records are handed out in chunks and collected in order).
-    """
-    paths, options = checked_inputs(paths, max_length, options, on_bad_record)
-    data = LoadedData([], 0, hash_files(paths))
-    for kept in stream_samples(data, paths, tokenizer, options, workers, on_bad_record):
-        data.samples.extend(kept)
-    return data
 
 
 def checked_inputs(paths: Sequence[str | Path], max_length: int, options: EncodeOptions | None,

@@ -16,11 +16,53 @@ shuffled inside their bucket and the batch order is shuffled, both from a numpy 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from dflash_cache.errors import DFlashCacheError
+
+
+class Batches(Sequence[list[int]]):
+    """A plan held in two arrays: every batch's sample ids, batch after batch, and where each batch
+    starts. 8 bytes a sample where lists of Python ints cost about 40: every rank makes the whole
+    plan, and turns only its own share into lists (`batches[rank::world]` is a list of lists)."""
+
+    def __init__(self, ids: np.ndarray, starts: np.ndarray):
+        self.ids = np.asarray(ids, dtype=np.int64)  # [N] sample ids in plan order
+        self.starts = np.asarray(starts, dtype=np.int64)  # [B + 1] batch b is ids[starts[b]:starts[b + 1]]
+
+    @classmethod
+    def from_lists(cls, batches: Sequence[Sequence[int]]) -> Batches:
+        sizes = [len(b) for b in batches]
+        ids = np.fromiter((sid for b in batches for sid in b), dtype=np.int64, count=sum(sizes))
+        return cls(ids, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.ids[self.starts[index] : self.starts[index + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start, end in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
+            yield self.ids[start:end].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Batches):
+            return np.array_equal(self.ids, other.ids) and np.array_equal(self.starts, other.starts)
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == list(b) for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Batches({len(self)} batches of {len(self.ids)} samples)"
 
 
 def length_buckets(max_length: int, smallest: int = 64) -> list[int]:

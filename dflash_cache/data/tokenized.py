@@ -127,7 +127,7 @@ def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, toke
                    folder: Path | None = None, workers: int | None = None, options: EncodeOptions | None = None,
                    on_bad_record: str = "error",
                    on_progress: Callable[[int, int], None] = lambda samples, tokens: None) -> TokenizedData:
-    """The tokenized data of `paths` (as `load_samples` makes it), built on first use
+    """The tokenized data of `paths` (the samples `stream_samples` keeps), built on first use
     (`on_progress(samples, tokens)` as it goes); `workers`: tokenizer processes (None: one per core;
     0 or 1: this process). Processes asking for the same data at once (torchrun ranks) build it
     once: the others wait for it."""

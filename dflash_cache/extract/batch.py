@@ -8,6 +8,7 @@ lengths[i]` of row `rows[i]`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
+from dflash_cache.data.plan import Batches
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -76,7 +78,7 @@ class Layout(Protocol):
     attention: str  # the attention implementation the target is loaded with
 
     def describe(self) -> str: ...
-    def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]: ...
+    def plan(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> Batches: ...
     def warmup_samples(self) -> list[Sample]: ...
     def shape(self, lengths: list[int], halvings: int = 0) -> tuple[int, int]: ...
     def build(self, samples: list[Sample], device: torch.device | str, halvings: int = 0) -> ForwardBatch:

@@ -11,13 +11,15 @@ ceil(B_k / 2), ceil(B_k / 4), ... rows. A run therefore sees at most one shape p
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
-from dflash_cache.data.plan import length_buckets
+from dflash_cache.data.plan import Batches, length_buckets
 from dflash_cache.extract.batch import ForwardBatch, padded_rows
 
 
@@ -48,19 +50,16 @@ class BucketLayout:
     def _upper(self, length: int) -> int:
         return self._bounds[bisect.bisect_right(self._bounds, length)]
 
-    def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
+    def plan(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> Batches:
         """Buckets from long to short, samples by (length, id) inside one."""
-        if lengths and max(lengths) > self.max_length:
-            raise ValueError(f"a sample of {max(lengths)} tokens is over the max length {self.max_length}")
-        buckets: dict[int, list[tuple[int, int]]] = {}
-        for sid, n in zip(sample_ids, lengths):
-            buckets.setdefault(self._upper(n), []).append((n, sid))
-        batches = []
-        for upper in sorted(buckets, reverse=True):
-            size = self._bucket_shape(upper)[0]
-            members = [sid for _, sid in sorted(buckets[upper])]
-            batches += [members[i : i + size] for i in range(0, len(members), size)]
-        return batches
+        ids, lens = np.asarray(sample_ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        if len(lens) and lens.max() > self.max_length:
+            raise ValueError(f"a sample of {int(lens.max())} tokens is over the max length {self.max_length}")
+        upper = np.asarray(self._bounds)[np.searchsorted(self._bounds, lens, side="right")]
+        order = np.lexsort((ids, lens, -upper))
+        uppers, first, counts = np.unique(-upper[order], return_index=True, return_counts=True)
+        starts = [np.arange(f, f + c, self._bucket_shape(-u)[0]) for u, f, c in zip(uppers.tolist(), first, counts)]
+        return Batches(ids[order], np.concatenate([*starts, [len(ids)]]))
 
     def shape(self, lengths: list[int], halvings: int = 0) -> tuple[int, int]:
         """The input shape of a batch of samples of these lengths."""

@@ -14,12 +14,15 @@ full until the last, and the plan is a pure function of (ids, lengths, row_token
 from __future__ import annotations
 
 import bisect
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dflash_cache.data.dataset import Sample
+from dflash_cache.data.plan import Batches
 from dflash_cache.extract.batch import ForwardBatch, to_device
 from dflash_cache.extract.varlen import ATTENTION
 
@@ -27,25 +30,29 @@ ROUND = 64  # a row cut by an out-of-memory split keeps a length in multiples of
 WARMUP_SEQUENCE = 2048  # the warm-up row is cut into sequences of this length, like real data
 
 
-def plan_rows(sample_ids: list[int], lengths: list[int], row_tokens: int) -> list[list[int]]:
+def plan_rows(sample_ids: Sequence[int], lengths: Sequence[int], row_tokens: int) -> Batches:
     """Rows of sample ids; every sample must fit a row (lengths[i] <= row_tokens)."""
-    by_length: dict[int, list[int]] = {}
-    for sid, n in sorted(zip(sample_ids, lengths), key=lambda p: (p[1], -p[0])):
-        by_length.setdefault(n, []).append(sid)  # popped from the end: the smallest id first
-    if by_length and max(by_length) > row_tokens:
-        raise ValueError(f"a sample of {max(by_length)} tokens does not fit a row of {row_tokens}")
-    sizes = sorted(by_length)  # distinct lengths still available
-    rows = []
+    ids, lens = np.asarray(sample_ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    if len(lens) and lens.max() > row_tokens:
+        raise ValueError(f"a sample of {int(lens.max())} tokens does not fit a row of {row_tokens}")
+    # By length, then by id from high to low: samples of length n are positions first[n] .. end[n] - 1,
+    # taken from the end, so the smallest id first.
+    order = np.lexsort((-ids, lens))
+    distinct, first = np.unique(lens[order], return_index=True)
+    sizes = distinct.tolist()  # distinct lengths still available
+    bounds = first.tolist()
+    ends = bounds[1:] + [len(ids)]
+    taken, starts = array("q"), array("q", [0])
     while sizes:
-        row, room = [], row_tokens
+        room = row_tokens
         while (i := bisect.bisect_right(sizes, room) - 1) >= 0:
-            n = sizes[i]
-            row.append(by_length[n].pop())
-            room -= n
-            if not by_length[n]:
-                del sizes[i]
-        rows.append(row)
-    return rows
+            ends[i] -= 1
+            taken.append(ends[i])
+            room -= sizes[i]
+            if ends[i] == bounds[i]:
+                del sizes[i], bounds[i], ends[i]
+        starts.append(len(taken))
+    return Batches(ids[order[np.frombuffer(taken, dtype=np.int64)]], np.frombuffer(starts, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class PackedLayout:
         sizes = [WARMUP_SEQUENCE] * full + ([rest] if rest else [])
         return [Sample(-1 - i, np.zeros(n, dtype=np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(sizes)]
 
-    def plan(self, sample_ids: list[int], lengths: list[int]) -> list[list[int]]:
+    def plan(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> Batches:
         return plan_rows(sample_ids, lengths, self.row_tokens)
 
     def shape(self, lengths: list[int], halvings: int = 0) -> tuple[int, int]:

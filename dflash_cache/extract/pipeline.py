@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
@@ -234,20 +235,20 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             state = read_journals(remote)
         else:
             _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
-        done = state.done_sample_ids()
-        all_ids = data.sample_ids.tolist()
-        batches = layout.plan(all_ids, data.lengths.tolist())
-        left = [i for i, sid in enumerate(all_ids) if sid not in done]
-        on_plan(len(left), int(data.lengths[left].sum()), layout.describe())
+        done = state.done_ids()
+        batches = layout.plan(data.sample_ids, data.lengths)  # compact: each rank lists only its own share
+        left = ~np.isin(data.sample_ids, done, assume_unique=True)
+        on_plan(int(left.sum()), int(data.lengths[left].sum()), layout.describe())
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
         for rank, device in zip(rank_ids, devices):
             mine = shard_for_rank(batches, rank, world, drop_remainder=False)
+            ids = np.fromiter((sid for batch in mine for sid in batch), dtype=np.int64)
             jobs.append(
                 RankJob(
                     root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, layout=layout, batches=mine,
-                    samples=data.samples(sid for batch in mine for sid in batch),  # read when the rank needs them
-                    done={sid for batch in mine for sid in batch if sid in done},
+                    samples=data.samples(ids),  # read when the rank needs them
+                    done=set(ids[np.isin(ids, done)].tolist()),
                     first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
                     # Again when a run died before journaling their hashes (a head file may be partial).
@@ -256,7 +257,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, all_ids, data.info.report())
+        manifest = _finalise(store, data.sample_ids, data.info.report())
     except BaseException:
         _stop(warmup)
         lock.release(discard=not writing)
@@ -275,7 +276,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         ranks=summaries,
         bad_records=len(data.info.bad_records),
         untrainable=len(data.info.untrainable),
-        already_complete=not left,
+        already_complete=not left.any(),
         manifest=manifest,
     )
 
@@ -285,12 +286,11 @@ def _stop(process) -> None:
         process.kill()
 
 
-def _finalise(store: Path | RemoteDir, all_ids: list[int], report: dict) -> dict | None:
+def _finalise(store: Path | RemoteDir, all_ids: np.ndarray, report: dict) -> dict | None:
     """Write the manifest once the journals cover every sample and the target head is there (under
     torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes)."""
     state = read_journals(store)
-    missing = set(all_ids) - state.done_sample_ids()
-    if missing or not _exists(store, HEAD):
+    if len(np.setdiff1d(all_ids, state.done_ids())) or not _exists(store, HEAD):
         return None
     manifest = build_manifest(state, {"extract": report})
     if isinstance(store, RemoteDir):
