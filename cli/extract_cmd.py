@@ -131,7 +131,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         return
     per_token = summary.bytes / max(summary.tokens, 1)
     click.echo(
-        f"done: {summary.samples} samples, {summary.tokens} tokens, {per_token / 1024:.2f} KiB/token, "
+        f"done: {summary.samples:,} samples, {summary.tokens:,} tokens, {per_token:,.0f} bytes/token, "
         f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped, "
         f"{summary.bad_records} bad records, {summary.untrainable} with nothing to train on"
     )

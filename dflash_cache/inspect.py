@@ -18,6 +18,7 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
         f"codec:        {spec['codec']}" + (f", top-{spec['topk']} labels" if spec.get("topk") else ""),
         f"samples:      {totals['samples']:,} ({len(cache.manifest['skipped'])} skipped, {cache.manifest.get('extract', {}).get('truncated', 0)} truncated at {spec['max_length']} tokens)",
         f"tokens:       {totals['tokens']:,}",
+        _record_id_line(cache),
         *_data_lines(cache.manifest.get("extract", {})),
         f"shards:       {len(cache.shards)}, {size(totals['bytes'])}",
         f"bytes/token:  {totals['bytes'] / tokens:,.0f} (hidden states {totals['hidden_bytes'] / tokens:,.0f}, raw bf16 {totals['raw_hidden_bytes'] / tokens:,.0f})",
@@ -28,6 +29,33 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
     ids = sorted(lengths)
     batches = plan_batches(ids, [lengths[i] for i in ids], token_budget, seed=None)
     return lines + ["  " + line for line in describe_plan(batches, lengths)]
+
+
+def _record_id_line(cache: Cache) -> str:
+    """How many samples carry their record's own `id`, and whether every id names one sample."""
+    index = cache.record_ids()
+    if not index:
+        return "record ids:   none (the data's records have no `id`; look samples up by sample id)"
+    shared = [sids for sids in index.values() if isinstance(sids, list)]
+    held = len(index) - len(shared) + sum(len(s) for s in shared)
+    line = f"record ids:   {held:,} of {len(cache):,} samples (e.g. {next(iter(index))!r})"
+    if not shared:
+        return line + ", each naming one sample"
+    return (line + f"; {sum(len(s) for s in shared):,} records share an id with another "
+            "(such an id names no sample: look those up by sample id)")
+
+
+def describe_sample(cache: Cache, key: int | str) -> list[str]:
+    """One sample: its ids, where it is stored, its tokens (reads and checks its row)."""
+    sample_id = cache.sample_id(key)
+    shard, row = cache.location(sample_id)
+    stored = cache.read_stored(sample_id)
+    record_id = cache.record_id(sample_id)
+    return [
+        f"sample:       {sample_id}" + (f" (record id {record_id!r})" if record_id is not None else " (no record id)"),
+        f"stored:       {cache.shards[shard].path}, row {row} (checksum verified)",
+        f"tokens:       {len(stored.input_ids):,}, {int(stored.loss_mask.sum()):,} trained on",
+    ]
 
 
 def _data_lines(report: dict) -> list[str]:

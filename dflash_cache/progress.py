@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from dflash_cache.units import size
+
 
 def duration(seconds: float) -> str:
     seconds = int(seconds)
@@ -46,7 +48,7 @@ class ProgressLog:
         total = "" if self.total_samples is None else f"/{self.total_samples:,}"
         parts = [f"{self.what}: {samples:,}{total} samples", f"{rate:,.0f} tokens/s"]
         if self.writes:
-            parts.append(f"{written / 1e9:.2f} GB written")
+            parts.append(f"{size(written)} written")
         parts.append(f"{duration(elapsed)} elapsed")
         if self.total_tokens is not None:
             parts.append(f"ETA {duration((self.total_tokens - tokens) / rate) if rate > 0 else 'unknown'}")

@@ -44,13 +44,16 @@ def random_row(sample_id: int, num_tokens: int, spec: dict, seed: int = 0) -> tu
     return row, hidden
 
 
-def write_random_cache(root: Path, lengths: list[int], spec: dict | None = None, rows_per_shard: int = 4, seed: int = 0) -> dict[int, torch.Tensor]:
-    """Writes a complete cache (rank 0, sample ids 0..n-1); returns the hidden tensors written."""
+def write_random_cache(root: Path, lengths: list[int], spec: dict | None = None, rows_per_shard: int = 4, seed: int = 0,
+                       record_ids: list[str | None] | None = None) -> dict[int, torch.Tensor]:
+    """Writes a complete cache (rank 0, sample ids 0..n-1, sample i with `record_ids[i]`); returns the
+    hidden tensors written."""
     spec = spec or random_spec()
     writer = ShardWriter(root, rank=0, spec=spec)
     hidden = {}
     for sid, n in enumerate(lengths):
         row, hidden[sid] = random_row(sid, n, spec, seed)
+        row.record_id = None if record_ids is None else record_ids[sid]
         writer.append(row)
         if (sid + 1) % rows_per_shard == 0:
             writer.commit()

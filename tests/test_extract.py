@@ -144,6 +144,6 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         # stderr is a pipe, not a terminal: plain progress lines instead of tqdm's (which shows none there)
-        assert re.search(r"^extract: [\d,]+/[\d,]+ samples, [\d,]+ tokens/s, [\d.]+ GB written, .* ETA ", err, re.M), err
+        assert re.search(r"^extract: [\d,]+/[\d,]+ samples, [\d,]+ tokens/s, [\d.,]+ [MG]B written, .* ETA ", err, re.M), err
     assert {p.name.split("-")[0] for p in (out / "shards").iterdir()} == {"r0", "r1"}
     assert_same_cache(reference, out)

@@ -13,6 +13,7 @@ import warnings
 import pytest
 from click.testing import CliRunner
 
+from dflash_cache import open_cache
 from dflash_cache.demo import ASSETS
 from dflash_cache_cli.main import main
 
@@ -61,6 +62,9 @@ def test_the_whole_job_with_default_options(tmp_path):
     assert f"done: {RECORDS} samples" in extracted
     # Every layer of a 4-layer target, and a drafter of the target's own shape.
     assert json.loads((cache / "manifest.json").read_text())["spec"]["layer_ids"] == [0, 1, 2, 3]
+    # The records' own ids, of both kinds, are keys of the cache beside the sample ids.
+    opened = open_cache(cache)
+    assert opened["oa-0"].sample_id == 0 and opened["3"].sample_id == 3 and opened[4].record_id == "oa-4"
     assert ("drafter (the target's shape): 5 layers, hidden 256, FFN 768, 4 heads / 2 KV heads of 64, block 16, "
             "reading target layers [0, 1, 2, 3]: 4.20M parameters") in trained
     assert "9 to train on, 1 held out" in trained and "steps of 2,048 tokens per batch" in trained

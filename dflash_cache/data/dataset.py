@@ -3,7 +3,8 @@
 A sample's id is the index of its record among all records of the given files, taken in the order
 given (records of the first file are 0..n1-1, those of the second n1..n1+n2-1, and so on; blank JSONL
 lines are not records). The id therefore names the same source row in every run over the same files
-in the same order, whatever the number of processes. A skipped record keeps its id unused.
+in the same order, whatever the number of processes. A skipped record keeps its id unused. A
+record's own `id` field (readers.py) travels with its sample as `record_id`, for lookup.
 
 Records that cannot be used (malformed lines, lines over the size limit, template errors, token ids
 outside the vocabulary) stop the load naming `file:line`, or with `on_bad_record="skip"` are left
@@ -39,6 +40,7 @@ class Sample:
     sample_id: int
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] bool
+    record_id: str | None = None  # the record's own `id`, as text
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class EncodedRecord:
     truncated: bool
     masked: np.ndarray  # [len(KINDS)] masked tokens of each kind (pre-tokenized masks count as content)
     unfaithful: list[str]
+    record_id: str | None = None
 
 
 @dataclass
@@ -125,7 +128,7 @@ def stream_samples(data: LoadedData, paths: Sequence[Path], tokenizer, options: 
                 continue
             data.num_truncated += result.truncated
             masked += result.masked
-            kept.append(Sample(sid, result.input_ids, result.loss_mask))
+            kept.append(Sample(sid, result.input_ids, result.loss_mask, result.record_id))
         data.masked_tokens = dict(zip(KINDS, masked.tolist()))
         yield kept
 
@@ -158,7 +161,7 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     truncated = len(ids) > options.max_length
     ids, kinds = ids[: options.max_length], kinds[: options.max_length]
     masked = np.bincount(kinds, minlength=len(KINDS) + 1)[1:].astype(np.int64)
-    return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful)
+    return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful, record.record_id)
 
 
 def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord, options: EncodeOptions) -> tuple[str, EncodedRecord | str]:

@@ -2,12 +2,17 @@
 
 Accepted inputs, told apart by their first bytes (not their names):
 - Parquet (`PAR1`) and Arrow IPC, file (`ARROW1`) or stream form: pre-tokenized rows with an
-  `input_ids` column (list of integers) and an optional `loss_mask` column (list of 0/1 or bool).
+  `input_ids` column (list of integers), an optional `loss_mask` column (list of 0/1 or bool) and an
+  optional `id` column (strings or integers).
 - gzip (`1f 8b`): gzip-compressed JSONL.
 - Anything else is read as JSONL (a UTF-8 byte-order mark is allowed), one JSON object per line, each
   being one of `{"messages": [...]}`, ShareGPT `{"conversations": [{"from", "value"}...]}` or
   pre-tokenized `{"input_ids": [...], "loss_mask": [...]}` (loss_mask optional). Blank lines are
   skipped and are not records. The message fields read are in `dflash_cache/data/messages.py`.
+
+Any record may carry its own `id`: a string, or an integer (kept as its decimal digits, so 42 and "42"
+are the same id); absent or null is no id, any other value is a bad record. It is kept as given,
+never required to be unique (merged datasets often number from 0 alike): see store/cache.py.
 
 A pre-tokenized record without a loss mask trains on every token. Records are yielded in file order;
 problems raise DFlashCacheError naming the file and the line (JSONL) or row/column (Arrow, Parquet).
@@ -40,6 +45,7 @@ PARQUET_BATCH_ROWS = 1024  # pyarrow's default, 65,536 rows of ~2,600 tokens, is
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 READ_BLOCK = 1 << 20
+MAX_ID_CHARS = 1024  # ids are listed in the manifest, so they are kept short
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Conversation:
     messages: list[dict]  # normalised messages (data/messages.py), as the chat template reads them
     where: str  # "file:line", for error messages
     tools: list[dict] | None = None  # the conversation's tool definitions, passed to the template
+    record_id: str | None = None  # the record's own `id`, as text
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class TokenRecord:
     input_ids: np.ndarray  # [T] int64
     loss_mask: np.ndarray | None  # [T] bool, None: every token counts
     where: str  # "file:line" or "file row N"
+    record_id: str | None = None  # the record's own `id`, as text
 
 
 @dataclass(frozen=True)
@@ -190,14 +198,27 @@ def _parse_object(obj: object, where: str) -> Record:
         raise DFlashCacheError(
             f"a record needs exactly one of 'messages', 'conversations' or 'input_ids' (found {found})"
         )
+    own_id = record_id(obj.get("id"))
     if forms[0] == "input_ids":
         ids = _int_list(obj["input_ids"], "input_ids")
         mask = obj.get("loss_mask")
         if mask is not None:
             mask = _mask_list(mask, len(ids))
-        return TokenRecord(ids, mask, where)
+        return TokenRecord(ids, mask, where, own_id)
     messages, tools = parse_conversation(obj, forms[0])
-    return Conversation(messages, where, tools)
+    return Conversation(messages, where, tools, own_id)
+
+
+def record_id(value: object) -> str | None:
+    """A record's `id` as text: a string as given, an integer as its digits; None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DFlashCacheError(f"'id' must be a string or an integer, found {show(value)}")
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > MAX_ID_CHARS:
+        raise DFlashCacheError(f"'id' is {len(text):,} characters long, more than the {MAX_ID_CHARS:,} allowed")
+    return text
 
 
 def _int_list(value: object, field: str) -> np.ndarray:
@@ -268,9 +289,13 @@ def _check_schema(schema: pa.Schema, path: Path) -> list[str]:
             f"{path}: no 'input_ids' column (columns: {', '.join(names) or 'none'}); "
             "Parquet/Arrow input must be pre-tokenized, conversations go in JSONL"
         )
-    columns = ["input_ids"] + (["loss_mask"] if "loss_mask" in names else [])
+    columns = ["input_ids"] + [name for name in ("loss_mask", "id") if name in names]
     for name in columns:
         kind = schema.field(name).type
+        if name == "id":
+            if not _is_id(kind):
+                raise DFlashCacheError(f"{path}: column 'id' must hold strings or integers, found {kind}")
+            continue
         value_ok = pa.types.is_integer if name == "input_ids" else _is_int_or_bool
         if not (_is_list(kind) and value_ok(kind.value_type)):
             wanted = "integers" if name == "input_ids" else "integers or booleans"
@@ -280,6 +305,10 @@ def _check_schema(schema: pa.Schema, path: Path) -> list[str]:
 
 def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _is_id(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
 def _is_int_or_bool(kind: pa.DataType) -> bool:
@@ -293,7 +322,8 @@ def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[Tok
         masks = [None] * len(ids)
         if "loss_mask" in batch.schema.names:
             masks = _split_lists(batch.column("loss_mask"), "loss_mask", path, row)
-        for i, (row_ids, row_mask) in enumerate(zip(ids, masks)):
+        own_ids = batch.column("id").to_pylist() if "id" in batch.schema.names else [None] * len(ids)
+        for i, (row_ids, row_mask, own_id) in enumerate(zip(ids, masks, own_ids)):
             where = f"{path} row {row + i}"
             if len(row_ids) == 0:
                 raise DFlashCacheError(f"{where}: 'input_ids' is empty")
@@ -308,7 +338,11 @@ def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[Tok
             if row_ids.dtype == np.uint64 and (row_ids > np.iinfo(np.int64).max).any():
                 position = int((row_ids > np.iinfo(np.int64).max).argmax())
                 raise DFlashCacheError(f"{where}: token id {int(row_ids[position])} at position {position} is too large for a token id")
-            yield TokenRecord(row_ids.astype(np.int64), row_mask, where)
+            try:
+                own_id = record_id(own_id)
+            except DFlashCacheError as e:
+                raise DFlashCacheError(f"{where}: {e}") from None
+            yield TokenRecord(row_ids.astype(np.int64), row_mask, where, own_id)
         row += batch.num_rows
 
 

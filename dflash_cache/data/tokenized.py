@@ -2,8 +2,9 @@
 
 Tokenizing a million conversations takes hours of one core, so it is done once per (data files,
 tokenizer files, max_length, tokenization code) and kept in `--tokenized-dir` as an Arrow IPC file
-(`sample_id` int64, `input_ids` list<int32>, `loss_mask` list<bool>; a record batch per chunk of
-records tokenized, the kept samples in id order), which `extract --data` also reads. A JSON file
+(`sample_id` int64, `input_ids` list<int32>, `loss_mask` list<bool>, `id` string: the record's own
+`id`, null where it has none; a record batch per chunk of records tokenized, the kept samples in
+sample id order), which `extract --data` also reads. A JSON file
 beside it, written last, says it is complete and holds the data's report (records left out, and why). Building it streams: records are tokenized in a process pool (one process per core by
 default) and written chunk by chunk, so memory holds a few chunks and the lengths, not the data.
 
@@ -30,10 +31,11 @@ from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
 from dflash_cache.errors import DFlashCacheError
 
-FORMAT = 1
+FORMAT = 2  # 2: the id column; a file of another format is never reused (its key differs)
 SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
                     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
-                    pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False)])
+                    pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+                    pa.field("id", pa.string())])  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 
 
@@ -83,7 +85,7 @@ class SampleStore(Mapping[int, Sample]):
         self._reader: pa.ipc.RecordBatchFileReader | None = None
         # Per record batch read: (offsets, input ids, loss mask), views of the mapped file. Reading a
         # batch's metadata again for every sample cost ~10x the lookup.
-        self._batches: dict[int, tuple[np.ndarray, np.ndarray, pa.Array]] = {}
+        self._batches: dict[int, tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -115,12 +117,13 @@ class SampleStore(Mapping[int, Sample]):
                     self._reader = pa.ipc.open_file(pa.memory_map(str(self.path)))
                 batch = self._reader.get_batch(b)
                 ids, mask = batch.column(1), batch.column(2)
-                self._batches[b] = (ids.offsets.to_numpy(), ids.values.to_numpy(), mask.values)
-            offsets, values, mask_values = self._batches[b]
+                self._batches[b] = (ids.offsets.to_numpy(), ids.values.to_numpy(), mask.values, batch.column(3))
+            offsets, values, mask_values, record_ids = self._batches[b]
         r = row - int(self.batch_starts[b])
         start, end = int(offsets[r]), int(offsets[r + 1])
         loss_mask = mask_values.slice(start, end - start).to_numpy(zero_copy_only=False)
-        return Sample(int(sample_id), values[start:end], loss_mask)  # input ids: a view of the mapped file
+        # input ids: a view of the mapped file
+        return Sample(int(sample_id), values[start:end], loss_mask, record_ids[r].as_py())
 
 
 def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, tokenizer_hash: str,
@@ -215,7 +218,8 @@ def _record_batch(samples: list[Sample]) -> pa.RecordBatch:
     mask_values = pa.array(np.concatenate([s.loss_mask for s in samples]).astype(bool, copy=False), pa.bool_())
     return pa.RecordBatch.from_arrays(
         [pa.array([s.sample_id for s in samples], pa.int64()), pa.ListArray.from_arrays(offsets, values),
-         pa.ListArray.from_arrays(offsets, mask_values)], schema=SCHEMA)
+         pa.ListArray.from_arrays(offsets, mask_values), pa.array([s.record_id for s in samples], pa.string())],
+        schema=SCHEMA)
 
 
 def _source_hash(paths: list[Path], folder: Path) -> str:

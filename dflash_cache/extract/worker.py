@@ -196,6 +196,7 @@ def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int],
             hidden_scales=None if scales is None else scales.numpy().tobytes(),
             topk_ids=None if copy.topk_ids is None else copy.topk_ids[tokens].numpy(),
             topk_logprobs=None if copy.topk_logprobs is None else copy.topk_logprobs[tokens].numpy(),
+            record_id=sample.record_id,
         )
         row.record_batch  # noqa: B018 - build (and checksum) it here, in parallel, not on the writer thread
         return row

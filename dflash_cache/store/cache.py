@@ -1,4 +1,11 @@
-"""Reading a finished cache: `open_cache(path)` and random access by sample id.
+"""Reading a finished cache: `open_cache(path)` and random access by sample id or record id.
+
+`cache[key]` takes two kinds of key. An integer is a sample id: the record's number among all
+records of the --data files, in order, from 0 (data/dataset.py). A string is a record id: the
+record's own `id` field (an integer id as its decimal digits, so cache["42"] is the record whose id is
+42 or "42"). Ids are kept as the data has them and need not be unique: an id that several records
+share (merged datasets that both number from 0) names no sample, and looking it up is an error that
+lists the sample ids holding it. A key of neither kind is an error saying which keys exist.
 
 The cache may be a local folder or an fsspec URL (`s3://bucket/prefix`). A remote shard is read by
 byte ranges (its footer once, then one record batch per row), or, given `local_dir`, fetched whole
@@ -36,6 +43,12 @@ from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, Stored
 TARGET_DIR = "target"
 
 
+class UnknownSample(DFlashCacheError, KeyError):
+    """A key that names no sample of the cache (a KeyError, so `except KeyError` still catches it)."""
+
+    __str__ = Exception.__str__  # KeyError's would print the message in quotes
+
+
 @dataclass
 class CachedSample:
     sample_id: int
@@ -45,6 +58,7 @@ class CachedSample:
     hidden: torch.Tensor  # bf16 [T, L*H]
     topk_ids: torch.Tensor | None = None  # int64 [T, K]
     topk_logprobs: torch.Tensor | None = None  # fp32 [T, K]
+    record_id: str | None = None  # the record's own `id`, as text
 
 
 class Cache:
@@ -63,6 +77,7 @@ class Cache:
         self.width: int = len(self.spec["layer_ids"]) * self.spec["target"]["hidden_size"]
         self._where: dict[int, tuple[int, int]] = {}
         self._lengths: dict[int, int] = {}
+        self._by_record: dict[str, int | list[int]] | None = None  # built on first use: training needs none
         for s, shard in enumerate(self.shards):
             for r, (sid, n) in enumerate(zip(shard.sample_ids, shard.num_tokens)):
                 if sid in self._where:
@@ -86,8 +101,64 @@ class Cache:
     def __iter__(self):
         return iter(self._where)
 
-    def __contains__(self, sample_id: int) -> bool:
-        return sample_id in self._where
+    def __contains__(self, key: int | str) -> bool:
+        try:
+            self.sample_id(key)
+        except UnknownSample:
+            return False
+        return True
+
+    def sample_id(self, key: int | str) -> int:
+        """The sample id a key names: an integer is one, a string is a record id (see above)."""
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if int(key) in self._where:
+                return int(key)
+            hint = f"; record id '{key}' is cache['{key}']" if str(key) in self._record_index() else ""
+            raise UnknownSample(f"no sample {key} in {self.root}{hint}: {self._keys()}")
+        if isinstance(key, str):
+            holders = self._record_index().get(key)
+            if isinstance(holders, int):
+                return holders
+            if holders:
+                listed = ", ".join(map(str, sorted(holders)[:5])) + (", ..." if len(holders) > 5 else "")
+                raise UnknownSample(f"record id {key!r} is the id of {len(holders)} records of {self.root} (sample ids "
+                                    f"{listed}); look one up by its sample id")
+            hint = f"; sample {key} is cache[{key}]" if key.isdigit() and int(key) in self._where else ""
+            raise UnknownSample(f"no record id {key!r} in {self.root}{hint}: {self._keys()}")
+        raise UnknownSample(f"{key!r} is not a key of {self.root}: {self._keys()}")
+
+    def _keys(self) -> str:
+        """What keys this cache has, for messages."""
+        ids = sorted(self._where)
+        numbers = (f"integer sample ids {ids[0]}..{ids[-1]}" + (f" ({len(ids):,} of them)" if len(ids) != ids[-1] - ids[0] + 1 else "")
+                   if ids else "no samples")
+        index = self._record_index()
+        if not index:
+            return f"keys are {numbers} (the records' numbers in the --data files, from 0); it has no record ids"
+        return (f"keys are {numbers} (the records' numbers in the --data files, from 0) and {len(index):,} "
+                f"record ids (the records' own `id`, as strings, e.g. {next(iter(index))!r})")
+
+    def _record_index(self) -> dict[str, int | list[int]]:
+        """Record id -> its sample id, or the sample ids of the records that share it."""
+        if self._by_record is None:
+            index: dict[str, int | list[int]] = {}
+            for shard in self.shards:
+                for sid, record_id in zip(shard.sample_ids, shard.record_ids):
+                    if record_id is not None:
+                        held = index.get(record_id)
+                        index[record_id] = sid if held is None else (held if isinstance(held, list) else [held]) + [sid]
+            self._by_record = index  # built whole, then published: threads racing here build the same
+        return self._by_record
+
+    def record_id(self, sample_id: int) -> str | None:
+        """The record's own `id` of a sample (None: it had none)."""
+        s, r = self._where[sample_id]
+        record_ids = self.shards[s].record_ids
+        return record_ids[r] if record_ids else None
+
+    def record_ids(self) -> dict[str, int | list[int]]:
+        """Every record id, with the sample id it names (a list of them for an id several records share)."""
+        return dict(self._record_index())
 
     def lengths(self) -> dict[int, int]:
         """Tokens per sample id, from the manifest alone."""
@@ -183,15 +254,13 @@ class Cache:
             self._target_dir = folder
         return self._target_dir
 
-    def location(self, sample_id: int) -> tuple[int, int]:
+    def location(self, key: int | str) -> tuple[int, int]:
         """(shard index, row) of a sample."""
-        return self._where[sample_id]
+        return self._where[self.sample_id(key)]
 
-    def read_stored(self, sample_id: int) -> StoredRow:
+    def read_stored(self, key: int | str) -> StoredRow:
         """The row as stored (compressed), checksum verified. Safe to call from several threads."""
-        if sample_id not in self._where:
-            raise KeyError(f"sample id {sample_id!r} is not in this cache (a sample id is the record's number "
-                           "among all records of the --data files, in order, from 0)")
+        sample_id = self.sample_id(key)
         s, r = self._where[sample_id]
         with self._pool.reader((self, s), lambda: self._open_shard(s)) as reader:
             if self._verify and s not in self._verified:
@@ -202,6 +271,9 @@ class Cache:
             raise DFlashCacheError(f"{path}: row {r} holds sample {row.sample_id}, the manifest says {sample_id}")
         if not row.check():
             raise DFlashCacheError(f"{path}: row {r} (sample {sample_id}) fails its checksum")
+        if row.record_id != self.record_id(sample_id):
+            raise DFlashCacheError(f"{path}: row {r} holds record id {row.record_id!r}, the manifest says "
+                                   f"{self.record_id(sample_id)!r}")
         return row
 
     def decode_planes(self, row: StoredRow) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -215,9 +287,11 @@ class Cache:
             scales = torch.from_numpy(np.frombuffer(row.hidden_scales, dtype=np.float32).copy()).reshape(n, -1)
         return planes, scales
 
-    def __getitem__(self, sample_id: int) -> CachedSample:
+    def __getitem__(self, key: int | str) -> CachedSample:
+        """The sample a key names: a sample id (int) or a record id (str); see the module's docstring."""
         import torch
 
+        sample_id = self.sample_id(key)
         row = self.read_stored(sample_id)
         planes, scales = self.decode_planes(row)
         n = len(row.input_ids)
@@ -231,6 +305,7 @@ class Cache:
             hidden=hidden,
             topk_ids=None if k is None else torch.from_numpy(row.topk_ids.astype(np.int64)).reshape(n, k),
             topk_logprobs=None if k is None else torch.from_numpy(row.topk_logprobs.copy()).reshape(n, k),
+            record_id=row.record_id,
         )
 
     def close(self) -> None:

@@ -94,6 +94,9 @@ def shard_record(entry: object) -> ShardRecord:
         raise ValueError(f"shard {record.path!r} has fields of the wrong type")
     if len(record.sample_ids) != record.rows or len(record.num_tokens) != record.rows or sum(record.num_tokens) != record.tokens:
         raise ValueError(f"shard {record.path} lists inconsistent rows")
+    if not (isinstance(record.record_ids, list) and len(record.record_ids) in (0, record.rows)
+            and all(r is None or isinstance(r, str) for r in record.record_ids)):
+        raise ValueError(f"shard {record.path} lists record ids that are not one string or null per row")
     return record
 
 

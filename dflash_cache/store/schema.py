@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the record_id column and the manifest's record_ids; 1 is read as well
 
-ROW_SCHEMA = pa.schema(
+ROW_SCHEMA_V1 = pa.schema(
     [
         pa.field("sample_id", pa.int64(), nullable=False),
         pa.field("num_tokens", pa.int32(), nullable=False),
@@ -26,6 +26,7 @@ ROW_SCHEMA = pa.schema(
         pa.field("checksum", pa.uint32(), nullable=False),
     ]
 )
+ROW_SCHEMA = ROW_SCHEMA_V1.append(pa.field("record_id", pa.string()))  # the record's own id, null: none
 
 
 @dataclass
@@ -40,13 +41,15 @@ class Row:
     hidden_scales: bytes | None = None
     topk_ids: np.ndarray | None = None  # int32 [T, K]
     topk_logprobs: np.ndarray | None = None  # float32 [T, K]
+    record_id: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
     def checksum(self) -> int:
-        return row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden, self.hidden_scales)
+        return row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden,
+                            self.hidden_scales, self.record_id)
 
     @cached_property
     def record_batch(self) -> pa.RecordBatch:
@@ -65,12 +68,15 @@ class Row:
             pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(hidden)]),  # no copy
             pa.array([self.hidden_scales], pa.binary()),
             pa.array([self.checksum()], pa.uint32()),
+            pa.array([self.record_id], pa.string()),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)
 
 
-def row_checksum(input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidden, hidden_scales) -> int:
-    """CRC-32 chained over the row's fields in schema order, as little-endian bytes; absent fields skipped."""
+def row_checksum(input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidden, hidden_scales,
+                 record_id: str | None = None) -> int:
+    """CRC-32 chained over the row's fields in schema order, as little-endian bytes (the record id as
+    UTF-8); absent fields skipped, so a version-1 row (no record id) keeps its checksum."""
     crc = 0
     for part, dtype in (
         (input_ids, np.int32),
@@ -81,7 +87,7 @@ def row_checksum(input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidd
     ):
         if part is not None:
             crc = zlib.crc32(np.ascontiguousarray(part, dtype=dtype), crc)
-    for blob in (hidden, hidden_scales):
+    for blob in (hidden, hidden_scales, None if record_id is None else record_id.encode()):
         if blob is not None:
             crc = zlib.crc32(blob, crc)
     return crc

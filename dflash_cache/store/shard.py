@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.schema import ROW_SCHEMA, Row, row_checksum
+from dflash_cache.store.schema import ROW_SCHEMA, ROW_SCHEMA_V1, Row, row_checksum
 
 SHARD_DIR = "shards"
 JOURNAL_DIR = "journal"
@@ -43,6 +43,7 @@ class ShardRecord:
     sha256: str
     sample_ids: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    record_ids: list[str | None] = field(default_factory=list)  # per row; empty when no row has one
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -155,7 +156,7 @@ class ShardWriter:
         if not self.journal_path.exists() or self.journal_path.stat().st_size == 0:
             append_journal(self.journal_path, {"spec": spec})
         self._open: tuple[Path, pa.NativeFile, pa.RecordBatchFileWriter, _Sealer, Future] | None = None
-        self._rows: list[tuple[int, int]] = []
+        self._rows: list[tuple[int, int, str | None]] = []
         self._hidden_bytes = 0
         self._sealing: deque[_FullShard] = deque()
 
@@ -170,7 +171,7 @@ class ShardWriter:
         _, sink, writer, sealer, _ = self._open
         writer.write_batch(row.record_batch)
         sealer.grew(sink.tell())
-        self._rows.append((row.sample_id, row.num_tokens))
+        self._rows.append((row.sample_id, row.num_tokens, row.record_id))
         self._hidden_bytes += len(row.hidden) + len(row.hidden_scales or b"")
         if sink.tell() >= self.max_shard_bytes:
             self._close_shard()
@@ -193,12 +194,13 @@ class ShardWriter:
         record = ShardRecord(
             path=f"{SHARD_DIR}/{final}",
             rows=len(self._rows),
-            tokens=sum(n for _, n in self._rows),
+            tokens=sum(n for _, n, _ in self._rows),
             bytes=size,
             hidden_bytes=self._hidden_bytes,
             sha256="",
-            sample_ids=[s for s, _ in self._rows],
-            num_tokens=[n for _, n in self._rows],
+            sample_ids=[s for s, _, _ in self._rows],
+            num_tokens=[n for _, n, _ in self._rows],
+            record_ids=[r for _, _, r in self._rows] if any(r is not None for _, _, r in self._rows) else [],
         )
         self._sealing.append(_FullShard(tmp, sealed, record))
         self._open, self._rows, self._hidden_bytes = None, [], 0
@@ -321,9 +323,11 @@ class StoredRow:
     hidden: memoryview
     hidden_scales: memoryview | None
     checksum: int
+    record_id: str | None = None
 
     def check(self) -> bool:
-        found = row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden, self.hidden_scales)
+        found = row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden,
+                             self.hidden_scales, self.record_id)
         return found == self.checksum
 
 
@@ -371,7 +375,8 @@ class ShardReader:
             raise DFlashCacheError(exhausted_limit(e) or f"{self.path}: cannot open shard ({e})") from None
         except pa.ArrowInvalid as e:
             raise DFlashCacheError(f"{self.path}: cannot open shard ({e})") from None
-        if not self._reader.schema.equals(ROW_SCHEMA):
+        self._has_record_id = self._reader.schema.equals(ROW_SCHEMA)
+        if not (self._has_record_id or self._reader.schema.equals(ROW_SCHEMA_V1)):  # version 1: no record ids
             raise DFlashCacheError(f"{self.path}: unexpected schema")
 
     def sha256(self, chunk: int = 8 << 20) -> str:
@@ -399,6 +404,7 @@ class ShardReader:
                 hidden=_binary_value(batch.column("hidden")),
                 hidden_scales=_binary_value(batch.column("hidden_scales")),
                 checksum=batch.column("checksum")[0].as_py(),
+                record_id=batch.column("record_id")[0].as_py() if self._has_record_id else None,
             )
         except (pa.ArrowInvalid, pa.ArrowIndexError, IndexError, ValueError, OSError) as e:
             raise DFlashCacheError(f"{self.path}: row {index} unreadable ({e})") from None
