@@ -31,7 +31,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert len(out.strip().splitlines()) == 1
 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
     code, out = run("inspect", tmp_path)
     assert code == 1 and "manifest.json" in out and "newer" in out and len(out.strip().splitlines()) == 1
 
