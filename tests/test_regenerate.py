@@ -114,6 +114,7 @@ def test_settings_are_checked():
 def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     a, b = servers(delay_s=0.05), servers(delay_s=0.05)
     records = [conversation(f"question {i}", "old") for i in range(12)] + [conversation("q1", "x", "q2", "y")]
+    records[0]["id"] = 40  # a record's own id is written with its answer
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "out.jsonl"
     summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[a.url, b.url + "/v1/"], concurrency=4,
@@ -132,9 +133,11 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
                                    "chat_template_kwargs": {}, "model": "scripted"}
     assert first["regenerated"] == [{"turn": 1, "finish_reason": "stop", "completion_tokens": 3}]
     assert [m["content"] for m in written[f"{data}:13"]["messages"]] == ["q1", "re: q1", "q2", "re: q2"]
+    assert first["id"] == "40" and "id" not in written[f"{data}:2"]
     # extract reads the output as it is
     read = {r.where.rsplit(":", 1)[1]: r.messages for r in read_records(out)}
     assert read["1"][1]["role"] == "assistant" and read["1"][1]["content"].startswith("re: question ")
+    assert {r.record_id for r in read_records(out)} == {"40", None}
 
     again = regenerate(RegenerateOptions(data=[data], out=out, servers=[a.url], retry=FAST,
                                          settings=GenerationSettings(max_tokens=16)))

@@ -43,6 +43,7 @@ class Completion:
 class Job:
     source: str  # "file:line"
     messages: list[dict]
+    record_id: str | None = None  # the record's own `id`, written with its answer
 
 
 def read_jobs(paths: list[str | Path]) -> Iterator[Job]:
@@ -54,7 +55,7 @@ def read_jobs(paths: list[str | Path]) -> Iterator[Job]:
                     f"{record.where}: a pre-tokenized record; regenerate needs conversations "
                     "({'messages': [...]} or ShareGPT) to ask the target"
                 )
-            yield Job(record.where, record.messages)
+            yield Job(record.where, record.messages, record.record_id)
 
 
 def turns_to_regenerate(messages: list[dict], turns: str) -> list[int]:

@@ -177,6 +177,7 @@ def _write(out: ResponsesFile, job: Job, settings: GenerationSettings, messages:
                                    "every --server must serve the same model")
     out.model = model
     out.append({
+        **({"id": job.record_id} if job.record_id is not None else {}),
         "messages": messages,
         "source": job.source,
         "generation": {**settings.to_dict(), "model": model},

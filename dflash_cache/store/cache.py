@@ -102,11 +102,9 @@ class Cache:
         return iter(self._where)
 
     def __contains__(self, key: int | str) -> bool:
-        try:
-            self.sample_id(key)
-        except UnknownSample:
-            return False
-        return True
+        if isinstance(key, str):
+            return isinstance(self._record_index().get(key), int)
+        return isinstance(key, (int, np.integer)) and not isinstance(key, bool) and int(key) in self._where
 
     def sample_id(self, key: int | str) -> int:
         """The sample id a key names: an integer is one, a string is a record id (see above)."""
@@ -144,9 +142,13 @@ class Cache:
             index: dict[str, int | list[int]] = {}
             for shard in self.shards:
                 for sid, record_id in zip(shard.sample_ids, shard.record_ids):
-                    if record_id is not None:
-                        held = index.get(record_id)
-                        index[record_id] = sid if held is None else (held if isinstance(held, list) else [held]) + [sid]
+                    if record_id is None:
+                        continue
+                    held = index.setdefault(record_id, sid)
+                    if isinstance(held, list):
+                        held.append(sid)
+                    elif held != sid:
+                        index[record_id] = [held, sid]
             self._by_record = index  # built whole, then published: threads racing here build the same
         return self._by_record
 
@@ -158,7 +160,7 @@ class Cache:
 
     def record_ids(self) -> dict[str, int | list[int]]:
         """Every record id, with the sample id it names (a list of them for an id several records share)."""
-        return dict(self._record_index())
+        return {key: list(held) if isinstance(held, list) else held for key, held in self._record_index().items()}
 
     def lengths(self) -> dict[int, int]:
         """Tokens per sample id, from the manifest alone."""
