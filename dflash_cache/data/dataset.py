@@ -18,14 +18,14 @@ import hashlib
 import multiprocessing
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from dflash_cache.data.readers import BadRecord, Conversation, Record, check_data_file, read_records
+from dflash_cache.data.readers import BadRecord, Conversation, JsonLine, Record, check_data_file, parse_json_line, read_records
 from dflash_cache.data.tokenize import KINDS, check_token_ids, encode_conversation
 from dflash_cache.errors import DFlashCacheError
 
@@ -107,7 +107,7 @@ def stream_samples(data: LoadedData, paths: Sequence[Path], tokenizer, options: 
     (bad records, untrainable samples, truncation, unfaithful renderings, masked kinds) goes to
     `data`'s report fields as it streams (its `samples` are left alone)."""
     vocab_size = len(tokenizer)
-    records = _all_records(paths, on_bad_record == "skip", options.record_bytes())
+    records = _all_records(paths, options.record_bytes())
     masked = np.zeros(len(KINDS), dtype=np.int64)
     sample_id = 0
     for chunk in _encode_chunks(_chunks(records, CHUNK_RECORDS), tokenizer, vocab_size, options, workers):
@@ -164,19 +164,27 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful, record.record_id)
 
 
-def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord, options: EncodeOptions) -> tuple[str, EncodedRecord | str]:
+def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord | JsonLine,
+                      options: EncodeOptions) -> tuple[str, EncodedRecord | str]:
     """(where, the sample or why the record cannot be one)."""
     if isinstance(record, BadRecord):
         return record.where, record.reason
+    if isinstance(record, JsonLine):
+        try:
+            record = parse_json_line(record)
+        except DFlashCacheError as e:
+            return record.where, str(e)[len(record.where) + 2 :]  # the message without its "where: "
     try:
         return record.where, encode_record(tokenizer, vocab_size, record, options)
     except DFlashCacheError as e:
         return record.where, str(e)
 
 
-def _all_records(paths: Sequence[Path], skip_bad: bool, max_line_bytes: int) -> Iterator[Record | BadRecord]:
+def _all_records(paths: Sequence[Path], max_line_bytes: int) -> Iterator[Record | BadRecord | JsonLine]:
+    """JSONL lines are parsed where they are tokenized (in the pool, when there is one); a line's
+    error comes as a BadRecord, so errors surface in file order whoever finds them."""
     for path in paths:
-        yield from read_records(path, skip_bad=skip_bad, max_line_bytes=max_line_bytes)
+        yield from read_records(path, skip_bad=True, max_line_bytes=max_line_bytes, parse_json=False)
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -186,7 +194,7 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def _encode_chunks(
-    chunks: Iterator[list[Record | BadRecord]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
+    chunks: Iterator[list[Record | BadRecord | JsonLine]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
 ) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
     if workers <= 1:
         for chunk in chunks:
@@ -197,7 +205,11 @@ def _encode_chunks(
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer, vocab_size, options)) as pool:
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks in flight per worker, so memory stays bounded
-            pending.append(pool.submit(_encode_in_worker, chunk))
+            if any(isinstance(r, (JsonLine, Conversation)) for r in chunk):
+                pending.append(pool.submit(_encode_in_worker, chunk))
+            else:  # token ids read from Arrow/Parquet: checking them here costs less than a trip to a worker
+                pending.append(Future())
+                pending[-1].set_result([_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk])
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -212,6 +224,6 @@ def _init_worker(tokenizer, vocab_size: int, options: EncodeOptions) -> None:
     _worker_state = (tokenizer, vocab_size, options)
 
 
-def _encode_in_worker(chunk: list[Record | BadRecord]) -> list[tuple[str, EncodedRecord | str]]:
+def _encode_in_worker(chunk: list[Record | BadRecord | JsonLine]) -> list[tuple[str, EncodedRecord | str]]:
     tokenizer, vocab_size, options = _worker_state
     return [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]

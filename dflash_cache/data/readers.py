@@ -65,6 +65,15 @@ class TokenRecord:
 
 
 @dataclass(frozen=True)
+class JsonLine:
+    """A JSONL line not parsed yet (`read_records(parse_json=False)`): tokenizer processes parse it,
+    so the process reading the file does not do that work for all of them."""
+
+    text: str
+    where: str
+
+
+@dataclass(frozen=True)
 class BadRecord:
     """A line that is not a usable record, when the caller asked to skip such lines."""
 
@@ -96,9 +105,11 @@ def check_data_file(path: str | Path) -> None:
 
 
 def read_records(
-    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None
-) -> Iterator[Record | BadRecord]:
-    """Yield every record of one data file, in order; an empty file is an error."""
+    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None, parse_json: bool = True
+) -> Iterator[Record | BadRecord | JsonLine]:
+    """Yield every record of one data file, in order; an empty file is an error. Without
+    `parse_json`, a JSONL line that is not blank comes as a JsonLine (`parse_json_line` makes it a
+    record or raises)."""
     path = Path(path)
     check_data_file(path)
     try:
@@ -113,7 +124,7 @@ def read_records(
     elif head.startswith((ARROW_FILE_MAGIC, ARROW_STREAM_MAGIC)):
         records = _read_arrow(path)
     else:
-        records = _read_jsonl(path, head.startswith(GZIP_MAGIC), skip_bad, max_line_bytes)
+        records = _read_jsonl(path, head.startswith(GZIP_MAGIC), skip_bad, max_line_bytes, parse_json)
     count = 0
     for record in records:
         count += 1
@@ -125,13 +136,17 @@ def read_records(
 # ---- JSONL ----------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int | None) -> Iterator[Record | BadRecord]:
+def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int | None,
+                parse_json: bool = True) -> Iterator[Record | BadRecord | JsonLine]:
     with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
         try:
             for lineno, raw in _lines(f, max_line_bytes):
                 where = f"{path}:{lineno}"
                 try:
-                    record = _parse_line(raw, lineno, where, max_line_bytes)
+                    line = _line_text(raw, lineno, where, max_line_bytes)
+                    record = None if line is None else JsonLine(line, where)
+                    if record is not None and parse_json:
+                        record = parse_json_line(record)
                 except DFlashCacheError as e:
                     if not skip_bad:
                         raise
@@ -162,7 +177,8 @@ def _lines(f: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[int, bytes
         yield lineno, None
 
 
-def _parse_line(raw: bytes | None, lineno: int, where: str, max_line_bytes: int | None) -> Record | None:
+def _line_text(raw: bytes | None, lineno: int, where: str, max_line_bytes: int | None) -> str | None:
+    """The line as text; None for a blank line (not a record)."""
     if raw is None:
         raise DFlashCacheError(
             f"{where}: the line is longer than {max_line_bytes:,} bytes, the limit for this --max-length "
@@ -174,18 +190,21 @@ def _parse_line(raw: bytes | None, lineno: int, where: str, max_line_bytes: int 
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise DFlashCacheError(f"{where}: not valid UTF-8 text") from None
-    if not line.strip():
-        return None
+    return line if line.strip() else None
+
+
+def parse_json_line(line: JsonLine) -> Record:
+    """The record of a JSONL line read with `parse_json=False`."""
     try:
-        obj = json.loads(line)
+        obj = json.loads(line.text)
     except json.JSONDecodeError as e:
-        raise DFlashCacheError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise DFlashCacheError(f"{line.where}: not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
-        raise DFlashCacheError(f"{where}: JSON nested too deeply") from None
+        raise DFlashCacheError(f"{line.where}: JSON nested too deeply") from None
     try:
-        return _parse_object(obj, where)
+        return _parse_object(obj, line.where)
     except DFlashCacheError as e:
-        raise DFlashCacheError(f"{where}: {e}") from None
+        raise DFlashCacheError(f"{line.where}: {e}") from None
 
 
 def _parse_object(obj: object, where: str) -> Record:

@@ -176,7 +176,7 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
             starts.append(starts[-1] + batch.num_rows)
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
-    sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, dtype=np.int64)
+    sample_ids = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, dtype=np.int64)
     if len(sample_ids) != info["rows"] or np.any(np.diff(sample_ids) <= 0):
         return None
     lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)

@@ -38,9 +38,10 @@ def plan_rows(sample_ids: Sequence[int], lengths: Sequence[int], row_tokens: int
     # By length, then by id from high to low: samples of length n are positions first[n] .. end[n] - 1,
     # taken from the end, so the smallest id first.
     order = np.lexsort((-ids, lens))
-    distinct, first = np.unique(lens[order], return_index=True)
-    sizes = distinct.tolist()  # distinct lengths still available
-    bounds = first.tolist()
+    ordered = lens[order]
+    bounds = np.flatnonzero(np.diff(ordered, prepend=-1)).tolist()
+    sizes = ordered[bounds].tolist()  # distinct lengths still available
+    del ordered
     ends = bounds[1:] + [len(ids)]
     taken, starts = array("q"), array("q", [0])
     while sizes:

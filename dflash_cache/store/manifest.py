@@ -7,6 +7,7 @@ manifest; it is written to a temporary name and renamed, so readers see the old 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ class JournalState:
 
     def done_ids(self) -> np.ndarray:
         """`done_sample_ids()` as a sorted int64 array (8 bytes a sample, where a set of ints costs ~60)."""
-        parts = [np.asarray(s.sample_ids, dtype=np.int64) for s in self.shards]
-        return np.unique(np.concatenate([np.array([s["sample_id"] for s in self.skipped], dtype=np.int64), *parts]))
+        ids = itertools.chain((s["sample_id"] for s in self.skipped), *(s.sample_ids for s in self.shards))
+        count = len(self.skipped) + sum(len(s.sample_ids) for s in self.shards)
+        return np.unique(np.fromiter(ids, dtype=np.int64, count=count))
 
 
 def _journals(root: Path | RemoteDir) -> list[tuple[str, list[dict]]]:
