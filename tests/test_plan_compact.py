@@ -6,7 +6,7 @@ import bisect
 import numpy as np
 import pytest
 
-from dflash_cache.data.plan import Batches, length_buckets, shard_for_rank
+from dflash_cache.data.plan import Batches, length_buckets, plan_batches, shard_for_rank
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import plan_rows
 
@@ -72,3 +72,30 @@ def test_batches_is_a_sequence_of_lists_and_shares_by_rank():
     with pytest.raises(IndexError):
         batches[4]
     assert Batches.from_lists([]) == [] and len(Batches.from_lists([])) == 0
+
+
+def old_plan_batches(sample_ids, lengths, token_budget, seed, epoch=0):
+    ids, lens = np.asarray(sample_ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    bounds = length_buckets(int(lens.max()))
+    bucket = np.searchsorted(bounds, lens, side="right") - 1
+    rng = np.random.default_rng([seed, epoch]) if seed is not None else None
+    batches = []
+    for k in np.unique(bucket)[::-1] if rng is None else np.unique(bucket):
+        members = np.flatnonzero(bucket == k)
+        members = members[np.lexsort((ids[members], lens[members]))] if rng is None else members[rng.permutation(len(members))]
+        batch, tokens = [], 0
+        for sid, n in zip(ids[members].tolist(), lens[members].tolist()):
+            if batch and tokens + n > token_budget:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(sid)
+            tokens += n
+        batches.append(batch)
+    return batches if rng is None else [batches[i] for i in rng.permutation(len(batches))]
+
+
+@pytest.mark.parametrize("seed", [None, 0, 5])
+def test_training_plans_equal_the_old_lists(seed):
+    ids, lengths = data(4000, 3)
+    for budget, epoch in ((16384, 0), (16384, 2), (3000, 1)):
+        assert list(plan_batches(ids, lengths, budget, seed, epoch)) == old_plan_batches(ids, lengths, budget, seed, epoch)

@@ -16,6 +16,7 @@ shuffled inside their bucket and the batch order is shuffled, both from a numpy 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -40,6 +41,14 @@ class Batches(Sequence[list[int]]):
 
     def __len__(self) -> int:
         return len(self.starts) - 1
+
+    def reordered(self, order: np.ndarray) -> Batches:
+        """The same batches, batch order[0] first, then order[1], ..."""
+        sizes = np.diff(self.starts)[order]
+        # the position in self.ids of every sample, batch after batch in the new order
+        within = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        return Batches(self.ids[np.repeat(self.starts[:-1][order], sizes) + within],
+                       np.concatenate([[0], np.cumsum(sizes)]))
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -81,7 +90,7 @@ def plan_batches(
     token_budget: int,
     seed: int | None,
     epoch: int = 0,
-) -> list[list[int]]:
+) -> Batches:
     """Batches of sample ids; `lengths[i]` is the length of `sample_ids[i]`."""
     if token_budget < 1:
         raise DFlashCacheError(f"token budget must be positive, got {token_budget}")
@@ -90,33 +99,34 @@ def plan_batches(
     if ids.shape != lens.shape:
         raise ValueError(f"{len(ids)} sample ids but {len(lens)} lengths")
     if len(ids) == 0:
-        return []
+        return Batches(ids, np.zeros(1, dtype=np.int64))
     if lens.min() < 1:
         raise DFlashCacheError(f"sample {int(ids[lens.argmin()])} has no tokens")
     bucket = _bucket_of(lens, length_buckets(int(lens.max())))
     rng = np.random.default_rng([seed, epoch]) if seed is not None else None
-    batches: list[list[int]] = []
+    order, starts = [], [np.zeros(1, dtype=np.int64)]
     for k in np.unique(bucket)[::-1] if rng is None else np.unique(bucket):
         members = np.flatnonzero(bucket == k)
         if rng is None:
             members = members[np.lexsort((ids[members], lens[members]))]
         else:
             members = members[rng.permutation(len(members))]
-        batches += _fill(ids[members].tolist(), lens[members].tolist(), token_budget)
-    if rng is not None:
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    return batches
+        starts.append(_fill(lens[members], token_budget) + sum(map(len, order)))
+        order.append(members)
+    plan = Batches(ids[np.concatenate(order)], np.concatenate(starts))
+    return plan if rng is None else plan.reordered(rng.permutation(len(plan)))
 
 
-def _fill(ids: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    batches, batch, tokens = [], [], 0
-    for sample_id, length in zip(ids, lengths):
-        if batch and tokens + length > token_budget:
-            batches.append(batch)
-            batch, tokens = [], 0
-        batch.append(sample_id)
+def _fill(lengths: np.ndarray, token_budget: int) -> np.ndarray:
+    """Where the batches after the first end, and the end: filled in order up to the budget."""
+    ends, tokens = array("q"), 0
+    for i, length in enumerate(lengths.tolist()):
+        if tokens and tokens + length > token_budget:
+            ends.append(i)
+            tokens = 0
         tokens += length
-    return batches + [batch]
+    ends.append(len(lengths))
+    return np.frombuffer(ends, dtype=np.int64)
 
 
 def _bucket_of(lengths: np.ndarray, bounds: list[int]) -> np.ndarray:
