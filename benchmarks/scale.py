@@ -91,12 +91,19 @@ def tokenize_throughput(work: Path, records: int) -> dict:
     cores = os.cpu_count() or 1
     rows = {}
     for workers in sorted({1, 2, cores}):
-        load = os.getloadavg()[0]  # other work on the machine: the figures mean little when it is high
-        rows[workers] = {**child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)]),
-                         "load_before": load, "load_after": os.getloadavg()[0]}
+        load, busy = os.getloadavg()[0], busy_cpu_s()  # other work on the machine: the figures mean little when it is high
+        row = child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)])
+        others = busy_cpu_s() - busy - row["cpu_s"]  # CPU time of every other process during the run (imports included)
+        rows[workers] = {**row, "load_before": load, "load_after": os.getloadavg()[0], "other_cores": max(0.0, others) / row["wall_s"]}
     one = rows[1]["tokens_per_s"]
     return {"records": records, "cores": cores,
             "runs": [{**r, "workers": w, "factor": r["tokens_per_s"] / one} for w, r in rows.items()]}
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_child_tokenize(data: str, folder: str, workers: int) -> dict:
@@ -113,8 +120,10 @@ def run_child_tokenize(data: str, folder: str, workers: int) -> dict:
     main_cpu = cpu(resource.RUSAGE_SELF) - main_cpu
     cpu_s = main_cpu + cpu(resource.RUSAGE_CHILDREN)  # the pool's processes have been joined
     tokens = int(out.lengths.sum())
+    total = cpu(resource.RUSAGE_SELF) + cpu(resource.RUSAGE_CHILDREN)  # imports included
     return {"samples": len(out.lengths), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s, "main_cpu_s": main_cpu}
+            "cpu_s": total, "tokenize_cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s, "main_cpu_s": main_cpu,
+            "wall_s": time.perf_counter() - START}
 
 
 # ---- 2. the front end of an extraction --------------------------------------------------------------
@@ -273,7 +282,8 @@ def report(results: dict) -> list[str]:
         lines.append(f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
                      f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process; {r['tokens_per_cpu_s']:,.0f} tokens per "
                      f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time; load average "
-                     f"{r['load_before']:.2f} before, {r['load_after']:.2f} after")
+                     f"{r['load_before']:.2f} before, {r['load_after']:.2f} after; other processes used "
+                     f"{r['other_cores']:.2f} cores meanwhile")
     for f in results["front_end"]:
         lines.append(f"front end, {f['samples']:,} samples, {f['tokens']:,} tokens ({f['data_gb']:.1f} GB of data):")
         for name in ("fresh", "resumed"):
