@@ -14,7 +14,8 @@
    first batch's tokens are read). The target's loading is left out. Reported per rank: seconds from
    the process start to that point, and peak resident memory (ru_maxrss), for a fresh extraction
    (rank 0 tokenizes; in a real torchrun the other ranks wait for it, here they run after it) and for a
-   resumed one (journals list half the samples as committed; the tokenized data exists).
+   resumed one (journals list half the samples as committed, 5 to a shard record as 512 MiB shards hold;
+   the tokenized data exists).
 3. Time to the first training step on a cache of --shards one-row shards (tiny rows: the manifest's
    size and the first batch's reads are measured, not the rows' decompression), with the tiny test drafter.
 """
@@ -173,16 +174,17 @@ def run_child_extract(data: str, out: str, tokenized: str) -> dict:
     return probe
 
 
-def write_half_journal(out: Path, spec: dict, samples: int) -> None:
-    """Journals of a run that committed the first half of the samples (100 per shard record). The
-    shard files themselves are not needed before the first forward of a resumed run."""
+def write_half_journal(out: Path, spec: dict, samples: int, per_shard: int = 5) -> None:
+    """Journals of a run that committed the first half of the samples, `per_shard` to a shard record
+    (512 MiB shards of ~35 KB a token hold ~5 samples of 3,000 tokens). The shard files themselves
+    are not needed before the first forward of a resumed run."""
     from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, shard_name
 
     (out / JOURNAL_DIR).mkdir(parents=True, exist_ok=True)
     with open(out / JOURNAL_DIR / "r0.jsonl", "w") as f:
         f.write(json.dumps({"spec": spec}) + "\n")
-        for index, start in enumerate(range(0, samples // 2, 100)):
-            ids = list(range(start, min(start + 100, samples // 2)))
+        for index, start in enumerate(range(0, samples // 2, per_shard)):
+            ids = list(range(start, min(start + per_shard, samples // 2)))
             record = {"path": f"{SHARD_DIR}/{shard_name(0, index)}", "rows": len(ids), "tokens": len(ids),
                       "bytes": 1, "hidden_bytes": 1, "sha256": "0" * 64, "sample_ids": ids, "num_tokens": [1] * len(ids)}
             f.write(json.dumps({"shard": record}) + "\n")

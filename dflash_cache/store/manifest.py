@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,13 +49,15 @@ class JournalState:
         return np.unique(np.fromiter(ids, dtype=np.int64, count=count))
 
 
-def _journals(root: Path | RemoteDir) -> list[tuple[str, list[dict]]]:
-    """(where, entries) of every rank's journal, in name order."""
+def _journals(root: Path | RemoteDir) -> Iterator[tuple[str, Iterable[dict]]]:
+    """(where, entries) of every rank's journal, in name order; a local one is read as its entries are taken."""
     if isinstance(root, RemoteDir):
         names = [n for n in root.list(JOURNAL_DIR) if n.startswith("r") and n.endswith(".jsonl")]
-        paths = [f"{JOURNAL_DIR}/{n}" for n in names]
-        return [(root.url_of(p), parse_journal(root.read_bytes(p).decode(), root.url_of(p))) for p in paths]
-    return [(str(p), read_journal(p)) for p in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl"))]
+        for p in (f"{JOURNAL_DIR}/{n}" for n in names):
+            yield root.url_of(p), parse_journal(root.read_bytes(p).decode(), root.url_of(p))
+        return
+    for p in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl")):
+        yield str(p), read_journal(p)
 
 
 def read_journals(root: Path | RemoteDir) -> JournalState:

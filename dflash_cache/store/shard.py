@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import resource
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,29 +286,48 @@ def cut_torn_line(path: Path) -> int:
     return len(data) - whole
 
 
-def read_journal(path: Path) -> list[dict]:
+def read_journal(path: Path) -> Iterator[dict]:
+    """A local journal's entries, read line by line: a journal of 100,000 shards is never held as
+    text, lines and entries at once."""
     try:
-        text = Path(path).read_text()
+        with open(path, encoding="utf-8") as f:
+            yield from iter_journal(_pieces(f), str(path))
     except UnicodeDecodeError as e:
         raise DFlashCacheError(f"{path}: not UTF-8 text ({e}); restore the file, or delete it to extract that rank's "
                                "samples again") from None
-    return parse_journal(text, str(path))
 
 
 def parse_journal(text: str, where: str) -> list[dict]:
-    """Journal entries; a torn last line (a crash mid-write) is ignored, a torn middle line is an error."""
-    lines = text.split("\n")
-    entries = []
-    for i, line in enumerate(lines):
+    return list(iter_journal(text.split("\n"), where))
+
+
+def iter_journal(pieces: Iterable[str], where: str) -> Iterator[dict]:
+    """Journal entries of a text split at its newlines; a torn last line (a crash mid-write) is
+    ignored, a torn middle line is an error."""
+    pieces = iter(pieces)
+    ahead = list(itertools.islice(pieces, 2))  # the next two pieces: the last one is "" after a final newline
+    number = 0
+    while ahead:
+        line = ahead.pop(0)
+        ahead.extend(itertools.islice(pieces, 1))
+        number += 1
         if not line.strip():
             continue
         try:
-            entries.append(json.loads(line))
+            yield json.loads(line)
         except json.JSONDecodeError:
-            if i >= len(lines) - 2:  # the last line, possibly without its newline
-                break
-            raise DFlashCacheError(f"{where}:{i + 1}: corrupt journal line") from None
-    return entries
+            if len(ahead) <= 1:  # the last line, possibly without its newline
+                return
+            raise DFlashCacheError(f"{where}:{number}: corrupt journal line") from None
+
+
+def _pieces(lines: Iterable[str]) -> Iterator[str]:
+    """A file's lines as `text.split("\\n")` gives them."""
+    last = None
+    for last in lines:
+        yield last.removesuffix("\n")
+    if last is None or last.endswith("\n"):
+        yield ""
 
 
 @dataclass
