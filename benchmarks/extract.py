@@ -7,7 +7,8 @@ A random-weight target is built on the GPU from a config (no weights on disk): Q
 (36 layers, hidden 4096) or a Qwen3.6-27B-shaped hybrid qwen3_5 text model cut to fewer layers.
 Samples have random token ids and log-uniform lengths from 256 to 4096. Both runs use the batches
 the extraction plan makes at --batch-tokens, packed rows (default) or padded buckets (--batching padded):
-  bare:    model(input_ids) with logits, nothing kept (what the target costs by itself)
+  bare:    model(input_ids) with logits, nothing kept (what the target costs by itself): HF's own
+           modules, and with --fused-bare also through extract/fused.py's kernels
   plain:   with --plain, also HF's own padded forward (sdpa) on the pre-packing plan's first batches
   extract: the real per-rank extraction loop (hooks on 5 layers, chunked LM-head argmax, encode on
            the GPU, pinned copies, compression threads, shard writer with fsync) into --out
@@ -21,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -31,22 +33,32 @@ from dflash_cache.data.plan import plan_batches
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner, padded_batch
+from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.varlen import packed_kernels
+from dflash_cache.extract.warmup import compile_threads, parallel_autotune
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
 
 
-def profile_extraction(folder: Path, run) -> None:
+def profile_run(folder: Path, name: str, run) -> None:
+    """A Chrome trace and a table sorted by GPU time, and the share of the wall time the GPU was busy."""
     from torch.profiler import ProfilerActivity, profile
 
     folder.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         run()
-    prof.export_chrome_trace(str(folder / "extract_trace.json"))
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-    (folder / "extract_profile.txt").write_text(table)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    prof.export_chrome_trace(str(folder / f"{name}_trace.json"))
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_device_time_total", row_limit=30)
+    gpu = sum(e.self_device_time_total for e in averages) / 1e6
+    summary = f"{name}: wall {wall:.2f} s under the profiler, kernels {gpu:.2f} s ({gpu / wall:.2f} of wall)"
+    (folder / f"{name}_profile.txt").write_text(summary + "\n" + table)
+    print(summary)
     print(table)
 
 
@@ -63,9 +75,10 @@ def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: s
     return {codec: size / int(lengths.sum()) for codec, size in sizes.items()}
 
 
-def matmul_tflops(device: str) -> float:
-    """bf16 8192^3 matmul rate on random data, the MFU ceiling measured in this run."""
-    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+def matmul_tflops(device: str, m: int = 8192, k: int = 8192, n: int = 8192) -> float:
+    """bf16 [m, k] x [k, n] matmul rate on random data (default 8192^3), the MFU ceiling measured in this run."""
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     torch.cuda.synchronize()
@@ -73,7 +86,7 @@ def matmul_tflops(device: str) -> float:
     for _ in range(20):
         a @ b
     torch.cuda.synchronize()
-    return 20 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
+    return 20 * 2 * m * k * n / (time.perf_counter() - start) / 1e12
 
 
 def plain_forward(model, samples: list[Sample], args, sync) -> dict:
@@ -111,7 +124,7 @@ def main() -> None:
     parser.add_argument("--plain", type=int, default=0, help="also time HF's padded forward on this many batches of the pre-packing plan")
     parser.add_argument("--compress-threads", type=int, default=12)
     parser.add_argument("--profile", type=Path, default=None,
-                        help="after the timed runs, profile an extraction of 6 batches: a Chrome trace and a table in this folder")
+                        help="after the timed runs, profile 3 batches of the bare fused forward and of extraction: traces and tables here")
     args = parser.parse_args()
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -132,13 +145,13 @@ def main() -> None:
     print(f"data: {len(samples)} samples, {tokens} tokens ({positions / tokens:.3f}x positions per token), {len(batches)} batches: "
           f"{layout.describe()}; layers {layer_ids}; codec {args.codec}")
 
-    def bare() -> tuple[float, float]:
+    def bare(fused: bool = False, run_inputs=inputs) -> tuple[float, float]:
         """Seconds for all batches, and seconds until the last one was queued (a queue that runs
         ahead of the GPU returns early; a forward that syncs inside does not)."""
         sync()
         start = time.perf_counter()
-        with torch.inference_mode(), packed_kernels(model):
-            for fb in inputs:
+        with torch.inference_mode(), packed_kernels(model), fused_kernels(model) if fused else nullcontext():
+            for fb in run_inputs:
                 model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
         queued = time.perf_counter() - start
         sync()
@@ -171,22 +184,35 @@ def main() -> None:
 
     sync()
     start = time.perf_counter()
-    with torch.inference_mode(), packed_kernels(model):
+    with torch.inference_mode(), packed_kernels(model), fused_kernels(model), parallel_autotune(compile_threads()):
         model(input_ids=inputs[0].input_ids, use_cache=False, **inputs[0].forward_kwargs())
     sync()
-    first_forward_s = time.perf_counter() - start  # cold when the kernel caches are empty
-    bare()  # warm-up: kernels (and autotuning) for every batch shape, allocator
-    extract(batches[:4])  # warm-up: the LM-head chunks, pinned staging memory (kept by torch's host cache)
+    first_forward_s = time.perf_counter() - start  # cold when the kernel caches are empty: extraction's warm-up
+    with torch.inference_mode(), packed_kernels(model):
+        model(input_ids=inputs[0].input_ids, use_cache=False, **inputs[0].forward_kwargs())  # HF's own modules
+    on_gpu = device.startswith("cuda")
+    gemm_shape = (args.batch_tokens, config.hidden_size, config.intermediate_size)  # the MLP up-projection of a row
+    peak_before = matmul_tflops(device) if on_gpu else float("nan")
+    gemm_before = matmul_tflops(device, *gemm_shape) if on_gpu else float("nan")
+    bare(run_inputs=inputs[:1])  # warm-up (packed rows have one shape): allocator
+    bare(fused=True, run_inputs=inputs[:1])
+    extract(batches[:2])  # warm-up: the LM-head chunks, pinned staging memory (kept by torch's host cache)
     t_bare, q_bare = bare()
-    t_extract, info = extract(batches)  # after the bare run: a GPU that slows as it heats counts against it
+    t_fused, _ = bare(fused=True)
+    t_extract, info = extract(batches)  # after the bare runs: a GPU that slows as it heats counts against it
     per_codec = codec_bytes_per_token(TargetRunner(target, layer_ids), [by_id[i] for i in batches[len(batches) // 2]], device)
     if args.profile:
-        profile_extraction(args.profile, lambda: extract(batches[:6]))
+        profile_run(args.profile, "bare_fused", lambda: bare(fused=True, run_inputs=inputs[:3]))
+        profile_run(args.profile, "extract", lambda: extract(batches[:3]))
     plain = plain_forward(model, samples, args, sync) if args.plain else None
-    peak = matmul_tflops(device) if device.startswith("cuda") else float("nan")
+    peak = matmul_tflops(device) if on_gpu else float("nan")
+    gemm = matmul_tflops(device, *gemm_shape) if on_gpu else float("nan")
+    mfu = lambda seconds: tokens / seconds * 2 * params / 1e12 / peak  # noqa: E731
     result = {
         "batching": layout.describe(), "params": params, "first_forward_s": first_forward_s, "matmul_tflops": peak,
-        "bare_mfu": tokens / t_bare * 2 * params / 1e12 / peak, "extract_mfu": tokens / t_extract * 2 * params / 1e12 / peak,
+        "matmul_tflops_before": peak_before, "gemm_shape": gemm_shape, "gemm_tflops_before": gemm_before, "gemm_tflops": gemm,
+        "bare_mfu": mfu(t_bare), "bare_fused_mfu": mfu(t_fused), "extract_mfu": mfu(t_extract),
+        "bare_fused_tok_s": tokens / t_fused, "ratio_to_fused": t_fused / t_extract,
         "plain_padded": plain,
         "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
         "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
@@ -194,15 +220,18 @@ def main() -> None:
         "host_tail_s": info["host_tail_s"], "ratio_without_tail": t_bare / (t_extract - info["host_tail_s"]), "codec_bytes_per_token": per_codec,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
     }
-    print(f"first forward: {first_forward_s:.1f} s; matmul {peak:.0f} TFLOP/s")
+    print(f"first forward: {first_forward_s:.1f} s; matmul 8192^3 {peak_before:.0f} TFLOP/s before the runs, {peak:.0f} after; "
+          f"{gemm_shape} {gemm_before:.0f} before, {gemm:.0f} after")
     if plain:
         print(f"HF padded forward (sdpa, pre-packing plan, {plain['batches']} batches, warm): {plain['tok_s']:,.0f} tokens/s, "
               f"MFU {plain['tok_s'] * 2 * params / 1e12 / peak:.3f}")
-    print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s  MFU {result['bare_mfu']:.3f}")
+    print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s  MFU {result['bare_mfu']:.3f} (HF's modules)")
+    print(f"bare fused:    {result['bare_fused_tok_s']:,.0f} tokens/s  MFU {result['bare_fused_mfu']:.3f} (extract/fused.py)")
     print(f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
           f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk, "
           f"{info['host_tail_s']:.1f} s from the GPU's last copy to the last shard committed; "
-          f"ratio without that tail {result['ratio_without_tail']:.3f}) MFU {result['extract_mfu']:.3f}")
+          f"ratio without that tail {result['ratio_without_tail']:.3f}) MFU {result['extract_mfu']:.3f}; "
+          f"ratio to the bare fused forward {result['ratio_to_fused']:.3f}")
     print("bytes/token by codec (one batch): " + ", ".join(f"{c} {v:,.0f}" for c, v in per_codec.items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -11,7 +11,9 @@ warm bare forward of the same target on the same tokens, all in one call.
    TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR pointing at an empty folder (cold); then the cache is
    deleted and the same command runs again with those folders kept (warm).
 4. In this process: the target loaded as extraction loads it, one warm-up row, then the bare
-   forward (the model's own forward with logits, nothing kept) of every row of the same packed plan.
+   forward (the model's own forward with logits, nothing kept) of every row of the same packed plan,
+   through HF's own modules ("bare", the reference of the ratios) and through extract/fused.py's
+   kernels ("bare fused", what extraction itself runs).
 
 Reported: each run's wall time, its compile seconds (the warm-up forward), its tokens/s from the
 first batch to the last shard committed, and those rates over the bare forward's; MFU of the bare
@@ -29,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +42,13 @@ import torch
 from benchmarks.extract import matmul_tflops
 from benchmarks.targets import target_config, word_tokenizer
 from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION, packed_kernels
 
 RANK_LINE = re.compile(r"rank 0: (\d+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")
+AHEAD_LINE = re.compile(r"kernels compiled and autotuned ahead, .*: ([\d.]+) s")
 
 
 def save_target(folder: Path, layers: int, device: str) -> int:
@@ -86,25 +91,30 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
         raise SystemExit(f"extract failed ({proc.returncode})")
     match = RANK_LINE.search(proc.stdout)
     tokens, rate, compile_s = int(match.group(1)), float(match.group(2).replace(",", "")), float(match.group(3))
-    return {"wall_s": wall, "tokens": tokens, "tok_s": rate, "compile_s": compile_s, "end_to_end_tok_s": tokens / wall}
+    ahead = AHEAD_LINE.search(proc.stderr)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": rate, "compile_s": compile_s, "end_to_end_tok_s": tokens / wall,
+            "compile_ahead_s": float(ahead.group(1)) if ahead else None}
 
 
-def bare_forward(target_dir: Path, rows: list[np.ndarray], device: str) -> tuple[float, int]:
-    """Warm tokens/s of the model's own forward over the packed plan of `rows`, and the rows' count."""
+def bare_forward(target_dir: Path, rows: list[np.ndarray], device: str) -> tuple[dict[str, float], int]:
+    """Warm tokens/s of the model's own forward over the packed plan of `rows` (HF's modules, and
+    fused), and the rows' count."""
     target = load_target(target_dir, device, attention=ATTENTION)
     samples = [Sample(i, r.astype(np.int32), np.ones(len(r), dtype=bool)) for i, r in enumerate(rows)]
     layout = PackedLayout(max(49152, max(len(r) for r in rows)))
     plan = layout.plan([s.sample_id for s in samples], [len(s.input_ids) for s in samples])
     batches = [layout.build([samples[i] for i in b], device) for b in plan]
-    with torch.inference_mode(), packed_kernels(target.model):
-        target.model(input_ids=batches[0].input_ids, use_cache=False, **batches[0].forward_kwargs())  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for fb in batches:
-            target.model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return sum(len(r) for r in rows) / seconds, len(batches)
+    rates = {}
+    for name, fused in (("hf", False), ("fused", True)):
+        with torch.inference_mode(), packed_kernels(target.model), fused_kernels(target.model) if fused else nullcontext():
+            target.model(input_ids=batches[0].input_ids, use_cache=False, **batches[0].forward_kwargs())  # warm-up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for fb in batches:
+                target.model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
+            torch.cuda.synchronize()
+        rates[name] = sum(len(r) for r in rows) / (time.perf_counter() - start)
+    return rates, len(batches)
 
 
 def main() -> None:
@@ -130,14 +140,16 @@ def main() -> None:
     shutil.rmtree(cache)
     warm = run_cli(target, data, cache, kernels, logs / "extract_warm.log")
     shutil.rmtree(cache)
-    bare, num_rows = bare_forward(target, rows, device)
+    bares, num_rows = bare_forward(target, rows, device)
+    bare = bares["hf"]
     peak = matmul_tflops(device)
     flops_per_token = 2 * params
     result = {
         "layers": args.layers_cut, "params": params, "samples": len(rows), "tokens": sum(map(len, rows)), "rows": num_rows,
         "cold": cold, "warm": warm, "bare_tok_s": bare, "cold_ratio": cold["tok_s"] / bare, "warm_ratio": warm["tok_s"] / bare,
+        "bare_fused_tok_s": bares["fused"], "warm_ratio_to_fused": warm["tok_s"] / bares["fused"],
         "cold_end_to_end_ratio": cold["end_to_end_tok_s"] / bare, "warm_end_to_end_ratio": warm["end_to_end_tok_s"] / bare,
-        "matmul_tflops": peak, "bare_mfu": bare * flops_per_token / 1e12 / peak,
+        "matmul_tflops": peak, "bare_mfu": bare * flops_per_token / 1e12 / peak, "bare_fused_mfu": bares["fused"] * flops_per_token / 1e12 / peak,
         "extract_mfu_warm": warm["tok_s"] * flops_per_token / 1e12 / peak,
     }
     print(json.dumps(result, indent=2))

@@ -4,7 +4,7 @@ prediction through a chunked LM head."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 
@@ -12,6 +12,7 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.batch import ForwardBatch, padded_rows, to_device
+from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.target import Target
 from dflash_cache.extract.varlen import packed_kernels
 
@@ -45,6 +46,7 @@ class TargetRunner:
         topk: int = 0,
         labels: bool = True,
         lm_head_chunk: int = 4096,
+        fused: bool = True,
     ):
         if topk < 0 or (topk and not labels):
             raise ValueError("topk must be >= 0 and needs labels=True")
@@ -53,6 +55,7 @@ class TargetRunner:
         self.topk = topk
         self.labels = labels
         self.lm_head_chunk = lm_head_chunk
+        self.fused = fused  # packed rows through extract/fused.py's kernels where the target has them
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> TargetOutput:
@@ -79,7 +82,11 @@ class TargetRunner:
             stop = not self.labels and layer == deepest
             handles.append(self.target.layers[layer].register_forward_hook(partial(self._store, dest, stop)))
         try:
-            with packed_kernels(self.target.model) if fb.cu_seqlens is not None else nullcontext():
+            with ExitStack() as scope:
+                if fb.cu_seqlens is not None:
+                    scope.enter_context(packed_kernels(self.target.model))
+                    if self.fused:
+                        scope.enter_context(fused_kernels(self.target.model))
                 out = self.target.base(input_ids=input_ids, use_cache=False, **fb.forward_kwargs())
         except _StopForward:
             out = None

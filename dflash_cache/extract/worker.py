@@ -106,9 +106,17 @@ class _StagingRing:
 
     def __init__(self, slots: int, slot_bytes: int, pin: bool):
         self.free: queue.Queue[torch.Tensor | None] = queue.Queue()
-        for _ in range(slots):
-            self.free.put(None)
         self.slot_bytes, self.pin = slot_bytes, pin
+        # Pinning gigabytes takes seconds: a thread does it while the warm-up forward runs, not the first batches.
+        threading.Thread(target=self._allocate, args=(slots,), daemon=True, name="staging-alloc").start()
+
+    def _allocate(self, slots: int) -> None:
+        for _ in range(slots):
+            try:
+                slot = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            except RuntimeError:  # out of pinnable memory now: `take` tries again when the slot is needed
+                slot = None
+            self.free.put(slot)
 
     def take(self, nbytes: int, check: Callable[[], None]) -> tuple[torch.Tensor, float]:
         """A free slot of at least `nbytes` and the seconds spent waiting for it; `check` runs while
@@ -278,12 +286,12 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         shards.record_target_files(hash_target_files(job.root / "target"))
     codec = job.spec["codec"]
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
-    compile_s = warm_up(runner, job.layout, job.device, kernels)
     largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
     slot_bytes = encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids))
     on_gpu = torch.device(job.device).type == "cuda"
     encoder = _PartEncoder(job, _StagingRing(job.staging_slots, slot_bytes, on_gpu),
                            torch.cuda.Stream(job.device) if on_gpu else None)
+    compile_s = warm_up(runner, job.layout, job.device, kernels)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
     started = time.perf_counter()

@@ -1,0 +1,95 @@
+"""extract/fused.py's kernels against HF's own qwen3_5 modules, and the warm-up's parallel autotuning."""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.fused import fusable, fused_kernels
+from dflash_cache.extract.packing import PackedLayout
+from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.extract.target import load_target
+from dflash_cache.extract.varlen import ATTENTION
+from dflash_cache.extract.warmup import parallel_autotune
+from tests.tiny import build_target
+
+QWEN3_5 = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+CLASSES = (QWEN3_5.Qwen3_5RMSNorm, QWEN3_5.Qwen3_5RMSNormGated, QWEN3_5.Qwen3_5MLP, QWEN3_5.Qwen3_5GatedDeltaNet)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
+def test_cpu_targets_keep_hf_modules(hybrid_dir):
+    target = load_target(hybrid_dir, "cpu", torch.float32, attention=ATTENTION)
+    before = [cls.forward for cls in CLASSES]
+    assert not fusable(target.model)
+    with fused_kernels(target.model):
+        assert [cls.forward for cls in CLASSES] == before
+
+
+def _samples(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(i, torch.randint(0, vocab, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
+            for i, n in enumerate(lengths)]
+
+
+@pytest.mark.gpu
+def test_fused_packed_rows_match_hf_modules(hybrid_dir):
+    """The same packed row with fused kernels and with HF's modules (both respecting boundaries),
+    and the fused row against each sample run alone through HF."""
+    target = load_target(hybrid_dir, "cuda", torch.bfloat16, attention=ATTENTION)
+    assert fusable(target.model)
+    samples = _samples([70, 5, 33, 130, 64, 200], target.vocab_size)
+    fb = PackedLayout(512).build(samples, "cuda")
+    layers = [0, 2, 5]
+    fused = TargetRunner(target, layers, fused=True).run_batch(fb)
+    before = [cls.forward for cls in CLASSES]
+    with fused_kernels(target.model):
+        assert all(cls.forward is not forward for cls, forward in zip(CLASSES, before))
+    assert [cls.forward for cls in CLASSES] == before  # restored on exit
+    plain = TargetRunner(target, layers, fused=False).run_batch(fb)
+    real = sum(len(s.input_ids) for s in samples)
+    torch.testing.assert_close(fused.hidden[0, :real].float(), plain.hidden[0, :real].float(), atol=3e-2, rtol=3e-2)
+    assert not torch.equal(fused.hidden[0, :real], plain.hidden[0, :real])  # the fused kernels did run
+    agree = (fused.target_ids[0, :real] == plain.target_ids[0, :real]).float().mean().item()
+    assert agree > 0.97
+    reference = load_target(hybrid_dir, "cuda", torch.bfloat16)
+    for sample, start in zip(samples, fb.starts.tolist()):
+        n = len(sample.input_ids)
+        ids = torch.from_numpy(sample.input_ids.astype(np.int64))[None].cuda()
+        with torch.inference_mode():
+            alone = reference.model(input_ids=ids, output_hidden_states=True)
+        for slot, layer in enumerate(layers[:2]):
+            torch.testing.assert_close(fused.hidden[0, start : start + n, slot * 64 : (slot + 1) * 64].float(),
+                                       alone.hidden_states[layer + 1][0].float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128, 256) for w in (1, 2, 4)]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def double(x, y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + offs, tl.load(x + offs, mask=offs < n) * 2, mask=offs < n)
+
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(1)
+    try:
+        with parallel_autotune(4):
+            double[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    torch.testing.assert_close(y, x * 2)
+    assert len(compiled) == len(configs)  # each configuration compiled once, none twice
