@@ -107,7 +107,7 @@ class _StagingRing:
     def __init__(self, slots: int, slot_bytes: int, pin: bool):
         self.free: queue.Queue[torch.Tensor | None] = queue.Queue()
         self.slot_bytes, self.pin = slot_bytes, pin
-        # Pinning gigabytes takes seconds: a thread does it while the warm-up forward runs, not the first batches.
+        # Pinning gigabytes takes seconds: a thread does it while the target loads and warms up, not in the first batches.
         threading.Thread(target=self._allocate, args=(slots,), daemon=True, name="staging-alloc").start()
 
     def _allocate(self, slots: int) -> None:
@@ -274,6 +274,11 @@ class _Writer(threading.Thread):
 def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, target: Target | None = None) -> RankSummary:
     """Extract this rank's batches; `target` may be given already loaded (benchmarks build one in place)."""
     kernels = use_kernel_cache(job.kernel_cache)
+    codec = job.spec["codec"]
+    on_gpu = torch.device(job.device).type == "cuda"
+    largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
+    width = job.spec["target"]["hidden_size"] * len(job.spec["layer_ids"])
+    ring = _StagingRing(job.staging_slots, encoded_size(codec, largest, width), on_gpu)  # pinned while the target loads
     target = target or load_target(job.target_path, job.device, attention=job.layout.attention)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
@@ -284,13 +289,8 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
         if job.uploader is not None:
             job.uploader.upload_target()
         shards.record_target_files(hash_target_files(job.root / "target"))
-    codec = job.spec["codec"]
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
-    largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
-    slot_bytes = encoded_size(codec, largest, target.hidden_size * len(runner.layer_ids))
-    on_gpu = torch.device(job.device).type == "cuda"
-    encoder = _PartEncoder(job, _StagingRing(job.staging_slots, slot_bytes, on_gpu),
-                           torch.cuda.Stream(job.device) if on_gpu else None)
+    encoder = _PartEncoder(job, ring, torch.cuda.Stream(job.device) if on_gpu else None)
     compile_s = warm_up(runner, job.layout, job.device, kernels)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
