@@ -137,7 +137,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     )
     for r in summary.ranks:
         rate = r.tokens / max(r.compute_s, 1e-9)
-        click.echo(f"  rank {r.rank}: {r.tokens} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
+        click.echo(f"  rank {r.rank}: {r.tokens:,} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
                    f"before the first batch, {r.wait_s:.1f} s waiting on disk")
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")

@@ -1,6 +1,10 @@
 """Defaults that fit the target and the machine: the drafter from the target, device defaults, the
 memory check before the first step, checkpoint retention."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -89,3 +93,11 @@ def test_keep_last_keeps_the_newest_checkpoints(tmp_path, cache):
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
     train(tiny_config(tmp_path, cache, out="all", steps=3, save_every=1), echo=lambda s: None)
     assert [step for step, _ in complete_checkpoints(tmp_path / "all")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_line_makes_idle_openmp_threads_sleep_unless_told_otherwise(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    probe = "import os, dflash_cache_cli.main; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected

@@ -119,9 +119,9 @@ def test_an_unknown_key_is_one_line_naming_it_and_the_keys_there_are(tmp_path):
     assert str(e.value) == (f"no record id 'oa-9' in {tmp_path / 'c'}: keys are integer sample ids 0..2 (the records' "
                             "numbers in the --data files, from 0) and 2 record ids (the records' own `id`, as strings, e.g. 'oa-0')")
     assert isinstance(e.value, KeyError) and isinstance(e.value, DFlashCacheError)
-    with pytest.raises(UnknownSample, match=r"^no sample 7 in .*; record id '7' is cache\['7'\]: keys are"):
+    with pytest.raises(UnknownSample, match=r"^no sample 7 in .* \(there is a record id '7': give it as a string\): keys are"):
         cache[7]
-    with pytest.raises(UnknownSample, match=r"^no record id '2' in .*; sample 2 is cache\[2\]: keys are"):
+    with pytest.raises(UnknownSample, match=r"^no record id '2' in .* \(there is a sample id 2: give it as an integer\): keys"):
         cache["2"]
     with pytest.raises(UnknownSample, match=r"^1\.0 is not a key of"):
         cache[1.0]

@@ -111,17 +111,17 @@ class Cache:
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             if int(key) in self._where:
                 return int(key)
-            hint = f"; record id '{key}' is cache['{key}']" if str(key) in self._record_index() else ""
+            hint = f" (there is a record id '{key}': give it as a string)" if str(key) in self._record_index() else ""
             raise UnknownSample(f"no sample {key} in {self.root}{hint}: {self._keys()}")
         if isinstance(key, str):
             holders = self._record_index().get(key)
             if isinstance(holders, int):
                 return holders
             if holders:
-                listed = ", ".join(map(str, sorted(holders)[:5])) + (", ..." if len(holders) > 5 else "")
+                listed = ", ".join(map(str, holders[:5])) + (", ..." if len(holders) > 5 else "")
                 raise UnknownSample(f"record id {key!r} is the id of {len(holders)} records of {self.root} (sample ids "
                                     f"{listed}); look one up by its sample id")
-            hint = f"; sample {key} is cache[{key}]" if key.isdigit() and int(key) in self._where else ""
+            hint = f" (there is a sample id {key}: give it as an integer)" if key.isdigit() and int(key) in self._where else ""
             raise UnknownSample(f"no record id {key!r} in {self.root}{hint}: {self._keys()}")
         raise UnknownSample(f"{key!r} is not a key of {self.root}: {self._keys()}")
 
@@ -137,18 +137,16 @@ class Cache:
                 f"record ids (the records' own `id`, as strings, e.g. {next(iter(index))!r})")
 
     def _record_index(self) -> dict[str, int | list[int]]:
-        """Record id -> its sample id, or the sample ids of the records that share it."""
+        """Record id -> its sample id, or the sample ids of the records that share it; in sample id order."""
         if self._by_record is None:
             index: dict[str, int | list[int]] = {}
-            for shard in self.shards:
-                for sid, record_id in zip(shard.sample_ids, shard.record_ids):
-                    if record_id is None:
-                        continue
-                    held = index.setdefault(record_id, sid)
-                    if isinstance(held, list):
-                        held.append(sid)
-                    elif held != sid:
-                        index[record_id] = [held, sid]
+            pairs = (pair for shard in self.shards for pair in zip(shard.sample_ids, shard.record_ids) if pair[1] is not None)
+            for sid, record_id in sorted(pairs):
+                held = index.setdefault(record_id, sid)
+                if isinstance(held, list):
+                    held.append(sid)
+                elif held != sid:
+                    index[record_id] = [held, sid]
             self._by_record = index  # built whole, then published: threads racing here build the same
         return self._by_record
 
