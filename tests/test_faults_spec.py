@@ -40,6 +40,21 @@ def test_resume_with_other_weights_or_token_budget_is_refused(setup, tmp_path):
     assert read_manifest(out)["spec"] == spec
 
 
+def test_resume_of_a_cache_another_format_version_started_is_refused(setup, tmp_path, monkeypatch):
+    """An extraction started by an older dflash-cache (rows without record ids) is not continued
+    by this one, which would mix rows of both kinds in one cache."""
+    from dflash_cache.extract import spec as spec_module
+
+    target, _, data = setup
+    out = tmp_path / "cache"
+    monkeypatch.setattr(spec_module, "FORMAT_VERSION", spec_module.FORMAT_VERSION - 1)
+    run_extract(target, data, out)
+    (out / "manifest.json").unlink()
+    monkeypatch.undo()
+    with pytest.raises(DFlashCacheError, match=rf"other settings \(format_version: {spec_module.FORMAT_VERSION - 1} -> {spec_module.FORMAT_VERSION}\)"):
+        run_extract(target, data, out)
+
+
 def test_the_quick_weights_hash_tells_weights_apart_and_is_recorded(setup, tmp_path):
     from dflash_cache.extract.weights import weights_digest
 
