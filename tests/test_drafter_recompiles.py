@@ -81,29 +81,35 @@ def test_training_compiles_nothing_after_warmup(compiled):
     assert sum(c.frames for c in warmup) == (1 if compiled else 0)
 
 
-@pytest.mark.slow
-def test_eager_modes_attention_kernel_has_no_shape_guards():
-    """Eager mode's one compiled piece on CUDA, the dynamic-shape flex kernel, fed this drafter's
-    BlockMasks: a graph per layer type (the window is a constant of the mask function) at the first
-    shape, at most one more each at the second (here the first specializes the number of query
-    tiles, and automatic dynamic shapes lift it), then none. Forward only: the CPU has no flex backward."""
+def flex_compiles(plans, windows, trim=lambda k, anchors: anchors):
+    """What eager mode's one compiled piece on CUDA, the dynamic-shape flex kernel, compiled at each
+    call, fed this drafter's BlockMasks (tile 16, blocks of 4). Forward only: the CPU has no flex backward."""
     from dflash_cache.drafter.attention import compile_flex_attention
     from dflash_cache.drafter.masks import BlockLayout, block_mask
 
     torch._dynamo.reset()
     kernel = compile_flex_attention("aot_eager")
     per_call = []
-    for k, lengths in enumerate(distinct_length_plans(12, 400, seed=2)):
+    for k, lengths in enumerate(plans):
         batch = random_batch(lengths, seed=k)
-        anchors = sample_anchors(batch, 4, 8, torch.Generator().manual_seed(k))
+        anchors = trim(k, sample_anchors(batch, 4, 8, torch.Generator().manual_seed(k)))
         layout = BlockLayout.build(batch.sequence_ids(), batch.position_ids(), anchors, 4, tile=16)
         q = torch.randn(1, 4, layout.num_queries, 8)
         kv = torch.randn(1, 2, layout.num_keys, 8)
-        for window in (None, 6):
+        for window in windows:
             before = CompileCounts.now()
             with torch.no_grad():
                 kernel(q, kv, kv, block_mask=block_mask(layout, window, tile=16), enable_gqa=True)
             per_call.append(CompileCounts.now() - before)
+    return per_call
+
+
+@pytest.mark.slow
+def test_eager_modes_attention_kernel_has_no_shape_guards():
+    """A graph per layer type (the window is a constant of the mask function) at the first shape,
+    at most one more each at the second (automatic dynamic shapes lifting a size the first
+    specialized), then none."""
+    per_call = flex_compiles(distinct_length_plans(12, 400, seed=2), windows=(None, 6))
     assert [c.frames for c in per_call[:2]] == [1, 1] and sum(c.frames for c in per_call[2:4]) <= 2
     assert [k for k, c in enumerate(per_call[4:], 4) if c.compiled_anything] == [], [c.reasons for c in per_call[4:]]
 
@@ -112,24 +118,11 @@ def test_eager_modes_attention_kernel_has_no_shape_guards():
 def test_flex_kernel_does_not_tie_the_query_count_to_its_padding():
     """Seen on an H200: when the first batch's query count is a whole number of tiles, its padded
     mask arrays have the query count's size, duck shaping ties the two symbols, and the first batch
-    that is not whole tiles compiles again (step 212 of 500). Here the first shape is whole tiles."""
-    from dflash_cache.drafter.attention import compile_flex_attention
-    from dflash_cache.drafter.masks import BlockLayout, block_mask
+    that is not whole tiles compiles again (step 212 of 500). Here the first two shapes are whole tiles."""
 
-    torch._dynamo.reset()
-    kernel = compile_flex_attention("aot_eager")
-    per_call = []
-    for k, lengths in enumerate(distinct_length_plans(8, 400, seed=3)):
-        batch = random_batch(lengths, seed=k)
-        anchors = sample_anchors(batch, 4, 8, torch.Generator().manual_seed(k))
-        whole_tiles = k < 2  # 4 anchors of 4 queries fill a 16-query tile
-        anchors = anchors[: len(anchors) // 4 * 4] if whole_tiles else anchors[: len(anchors) // 4 * 4 - 1]
-        layout = BlockLayout.build(batch.sequence_ids(), batch.position_ids(), anchors, 4, tile=16)
-        assert (layout.num_queries % 16 == 0) == whole_tiles
-        q = torch.randn(1, 4, layout.num_queries, 8)
-        kv = torch.randn(1, 2, layout.num_keys, 8)
-        before = CompileCounts.now()
-        with torch.no_grad():
-            kernel(q, kv, kv, block_mask=block_mask(layout, None, tile=16), enable_gqa=True)
-        per_call.append(CompileCounts.now() - before)
+    def trim(k, anchors):  # 4 anchors of 4 queries fill a 16-query tile
+        whole = len(anchors) // 4 * 4
+        return anchors[:whole] if k < 2 else anchors[: whole - 1]
+
+    per_call = flex_compiles(distinct_length_plans(8, 400, seed=3), windows=(None,), trim=trim)
     assert [k for k, c in enumerate(per_call[1:], 1) if c.compiled_anything] == [], [c.reasons for c in per_call[1:]]
