@@ -147,3 +147,19 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
         assert re.search(r"^extract: [\d,]+/[\d,]+ samples, [\d,]+ tokens/s, [\d.,]+ [MG]B written, .* ETA ", err, re.M), err
     assert {p.name.split("-")[0] for p in (out / "shards").iterdir()} == {"r0", "r1"}
     assert_same_cache(reference, out)
+
+
+def test_a_complete_cache_reruns_without_loading_the_target(qwen3_target_dir, conversations, tmp_path, monkeypatch):
+    from dflash_cache.extract import worker
+
+    out = tmp_path / "cache"
+    run_extract(qwen3_target_dir, conversations, out)
+    manifest = (out / "manifest.json").read_bytes()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded for a complete cache")
+
+    monkeypatch.setattr(worker, "load_target", refuse)
+    summary = run_extract(qwen3_target_dir, conversations, out)
+    assert summary.already_complete and summary.samples == 0
+    assert (out / "manifest.json").read_bytes() == manifest

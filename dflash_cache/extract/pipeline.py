@@ -241,7 +241,10 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         on_plan(int(left.sum()), int(data.lengths[left].sum()), layout.describe())
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
-        for rank, device in zip(rank_ids, devices):
+        complete = not left.any() and state.target_files is not None and _exists(store, HEAD)
+        if complete:
+            _stop(warmup)  # nothing to compute and no target to load: only the manifest, if missing
+        for rank, device in zip([] if complete else rank_ids, devices):
             mine = shard_for_rank(batches, rank, world, drop_remainder=False)
             ids = np.fromiter((sid for batch in mine for sid in batch), dtype=np.int64)
             jobs.append(
