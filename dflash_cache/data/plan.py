@@ -1,10 +1,11 @@
 """Length buckets and token-budget batches, shared by extraction and training.
 
-A plan is a list of batches, each a list of sample ids. Samples are grouped into length buckets
-(boundaries at powers of two and 1.5x powers of two, so lengths inside a bucket differ by at most
-1.5x) and batches never cross a bucket, so a batch holds samples of similar length: packed it wastes
-no tokens, padded it wastes little. Each batch is filled up to the token budget (the sum of its
-samples' lengths); a sample longer than the budget gets a batch of its own.
+A plan is a sequence of batches, each a list of sample ids, held compactly (`Batches`). Samples
+are grouped into length buckets (boundaries at powers of two and 1.5x powers of two, so lengths
+inside a bucket differ by at most 1.5x) and batches never cross a bucket, so a batch holds samples
+of similar length: packed it wastes no tokens, padded it wastes little. Each batch is filled up to
+the token budget (the sum of its samples' lengths); a sample longer than the budget gets a batch of
+its own.
 
 Without a seed the plan is deterministic from the data (extraction): samples sorted by
 (length, id) inside each bucket, buckets from long to short. Long first, because a batch that does
