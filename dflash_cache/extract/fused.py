@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-_QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"
+from dflash_cache.extract.varlen import QWEN3_5_MODULE, HYBRID_PACKABLE
 
 
 @lru_cache(maxsize=1)
@@ -44,7 +44,7 @@ def fusable(model: torch.nn.Module) -> bool:
     """True for a qwen3_5 text model on CUDA where flash-linear-attention is installed."""
     config = model.config.get_text_config()
     hybrid = "linear_attention" in (getattr(config, "layer_types", None) or [])
-    return hybrid and config.model_type.startswith("qwen3_5") and model.device.type == "cuda" and _fla() is not None
+    return hybrid and config.model_type in HYBRID_PACKABLE and model.device.type == "cuda" and _fla() is not None
 
 
 def _zero_centered_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def fused_kernels(model: torch.nn.Module) -> Iterator[None]:
     if not fusable(model):
         yield
         return
-    module = importlib.import_module(_QWEN3_5)
+    module = importlib.import_module(QWEN3_5_MODULE)
     swaps = {
         module.Qwen3_5RMSNorm: _zero_centered_rms_norm,
         module.Qwen3_5RMSNormGated: _gated_rms_norm,

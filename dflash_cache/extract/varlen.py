@@ -33,7 +33,7 @@ ATTENTION = "packed_rows"  # no "flash" in the name: transformers takes such nam
 # `position_ids`, and the hybrid qwen3_5 whose linear-attention functions are swapped below.
 DENSE_PACKABLE = ("qwen3", "qwen2", "llama")
 HYBRID_PACKABLE = ("qwen3_5", "qwen3_5_text")
-_QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"
+QWEN3_5_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -130,7 +130,7 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
     if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
         yield
         return
-    module = importlib.import_module(_QWEN3_5)
+    module = importlib.import_module(QWEN3_5_MODULE)
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
     # The reference torch code under transformers' kernel dispatch, for one sample at a time (the
     # dispatch would send CPU tensors to flash-linear-attention where it is installed).
