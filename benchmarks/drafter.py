@@ -92,6 +92,18 @@ def random_drafter(config, device: str) -> tuple[DFlashDrafter, torch.optim.Adam
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
 
 
+def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: FeatureBatch, anchors: torch.Tensor,
+               device: str) -> torch.Tensor:
+    """One step as `dflash-cache train` runs it: bf16 autocast, backward, clipping at 1.0, AdamW; the loss."""
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = runner(batch, anchors)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return out.loss.detach()
+
+
 def run_mode(mode: str, args, config, device: str) -> dict:
     model, optimizer = random_drafter(config, device)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
@@ -101,14 +113,7 @@ def run_mode(mode: str, args, config, device: str) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step(k: int) -> torch.Tensor:
-        batch = batches[k % 2]
-        with torch.autocast(device, dtype=torch.bfloat16):
-            out = runner(batch, anchors[k % 2])
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return out.loss.detach()
+        return train_step(runner, model, optimizer, batches[k % 2], anchors[k % 2], device)
 
     started = time.perf_counter()
     for k in range(args.warmup):

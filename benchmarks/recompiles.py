@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.drafter import random_drafter
+from benchmarks.drafter import random_drafter, train_step
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
@@ -87,19 +87,14 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
         before = CompileCounts.now()
         sync()
         t0 = time.perf_counter()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            out = runner(batch, anchors)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = train_step(runner, model, optimizer, batch, anchors, device)
         sync()
         times.append(time.perf_counter() - t0)
         if k >= args.warmup and (CompileCounts.now() - before).compiled_anything:
             compiling_steps.append(k)
         if args.progress and (k + 1) % args.progress == 0:
             print(f"  {mode} step {k + 1}/{len(plans)}: {statistics.median(times[-args.progress:]) * 1e3:.1f} ms/step, "
-                  f"loss {out.loss.item():.3f}", flush=True)
+                  f"loss {loss.item():.3f}", flush=True)
     end = CompileCounts.now()
     warmup = warmup if warmup is not None else end - started
     after = end - started - warmup if len(plans) > args.warmup else CompileCounts()
@@ -116,7 +111,7 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
         "step_ms_median": statistics.median(times) * 1e3,
         "step_ms_median_after_warmup": statistics.median(times[args.warmup:] or times) * 1e3,
         "wall_s": time.perf_counter() - wall,
-        "loss_last": out.loss.item(),
+        "loss_last": loss.item(),
     }
 
 

@@ -30,13 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.drafter import synthetic_batch
+from benchmarks.drafter import random_drafter, synthetic_batch, train_step
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
-from dflash_cache.drafter.head import TargetHead
-from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.store.codecs import compress, encode
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
@@ -78,22 +76,13 @@ def write_cache(root: Path, config, total_tokens: int, device: str, shard_bytes:
 
 
 def make_step(config, device: str):
-    torch.manual_seed(0)
-    head = TargetHead(torch.randn(config.vocab_size, config.hidden_size) * 0.02, torch.ones(config.hidden_size),
-                      torch.randn(config.vocab_size, config.hidden_size) * 0.02).to(device=device, dtype=torch.bfloat16)
-    model = DFlashDrafter(config, head).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    model, optimizer = random_drafter(config, device)
     runner = DrafterRunner(model)
     g = torch.Generator(device=device).manual_seed(0)
 
     def step(batch: FeatureBatch, anchors_per_batch: int) -> None:
         anchors = sample_anchors(batch, config.block_size, anchors_per_batch, g, max_total=anchors_per_batch)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            out = runner(batch, anchors)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        train_step(runner, model, optimizer, batch, anchors, device)
 
     return step
 

@@ -22,29 +22,28 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from dflash_cache.extract.varlen import QWEN3_5_MODULE, HYBRID_PACKABLE
+from dflash_cache.extract.varlen import HYBRID_PACKABLE, QWEN3_5_MODULE, linear_attention_kernels
 
 
 @lru_cache(maxsize=1)
 def _fla():
-    """fla's kernels, or None when it is not installed or has no usable Triton here."""
+    """fla's norm and SwiGLU kernels, or None when it is not installed or has no usable Triton here
+    (its convolution and delta rule come from varlen.linear_attention_kernels)."""
     try:
         from fla.modules.activations import swiglu
-        from fla.modules.causal_conv1d import causal_conv1d
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.modules.norm.layernorm import rms_norm
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # noqa: BLE001
         return None
-    return {"swiglu": swiglu, "conv": causal_conv1d, "norm_gated": rms_norm_gated, "norm": rms_norm,
-            "rule": chunk_gated_delta_rule}
+    return {"swiglu": swiglu, "norm_gated": rms_norm_gated, "norm": rms_norm}
 
 
 def fusable(model: torch.nn.Module) -> bool:
     """True for a qwen3_5 text model on CUDA where flash-linear-attention is installed."""
     config = model.config.get_text_config()
     hybrid = "linear_attention" in (getattr(config, "layer_types", None) or [])
-    return hybrid and config.model_type in HYBRID_PACKABLE and model.device.type == "cuda" and _fla() is not None
+    return (hybrid and config.model_type in HYBRID_PACKABLE and model.device.type == "cuda"
+            and _fla() is not None and linear_attention_kernels() is not None)
 
 
 def _zero_centered_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +64,18 @@ def _packed_gated_delta_net(self, hidden_states: torch.Tensor, cache_params=None
     """Qwen3_5GatedDeltaNet.forward for one packed row [1, T, hidden], no cache."""
     if cu_seq_lens_q is None or cache_params is not None or attention_mask is not None:
         raise ValueError("the fused linear-attention layer runs packed rows only (cu_seq_lens_q, no cache, no mask)")
-    fla = _fla()
+    conv, rule = linear_attention_kernels()
     batch, seq, _ = hidden_states.shape
     bounds = dict(cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
-    mixed_qkv, _ = fla["conv"](self.in_proj_qkv(hidden_states), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                               activation=self.activation, **bounds)
+    mixed_qkv, _ = conv(self.in_proj_qkv(hidden_states), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                        activation=self.activation, **bounds)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, seq, -1, self.head_k_dim)
     key = key.reshape(batch, seq, -1, self.head_k_dim)
     value = value.reshape(batch, seq, -1, self.head_v_dim)
     beta = self.in_proj_b(hidden_states).sigmoid()
     g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
-    out, _ = fla["rule"](query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds)
+    out, _ = rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds)
     z = self.in_proj_z(hidden_states)
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(batch, seq, -1))

@@ -103,7 +103,7 @@ def _has_varlen_attn() -> bool:
 
 
 @lru_cache(maxsize=1)
-def _fla():
+def linear_attention_kernels():
     """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule), or None when not installed."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d
@@ -140,7 +140,7 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         # x: [1, D, T] (a transposed view of [1, T, D]); returns [1, D, T]
         if cu_seq_lens_q is None:
             return conv(x, weight, bias, activation=activation)
-        fla = _fla()
+        fla = linear_attention_kernels()
         if fla is not None and x.is_cuda:
             y, _ = fla[0](x.transpose(1, 2), weight, bias, activation=activation,
                           cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
@@ -151,7 +151,7 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         # [1, T, H, D] inputs; cu_seqlens is the model's `cu_seq_lens_q`
         if cu_seqlens is None:
             return rule(query, key, value, g=g, beta=beta, **kwargs)
-        fla = _fla()
+        fla = linear_attention_kernels()
         if fla is not None and query.is_cuda:
             return fla[1](query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seq_lens_cpu, **_rule_options(kwargs))
         outs = [torch_rule(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **_rule_options(kwargs))[0]

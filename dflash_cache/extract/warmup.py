@@ -10,8 +10,9 @@ the others find its kernels on disk, so five ranks never compile the same kernel
 
 Triton's autotuner compiles the configurations of a kernel one after the other, each before it is
 timed: most of a cold minute on a hybrid target. During the warm-up each autotuner first compiles
-all its configurations at once on a pool of threads (Triton's asynchronous compile mode; most of a
-compile runs outside the GIL, in MLIR passes and ptxas), then times each for 30 ms instead of 125.
+all its configurations at once on a pool of threads (Triton's asynchronous compile mode), then
+times each for 30 ms instead of 125. On an H200 the threads compiled about 2.5x faster than one
+(BENCHMARKS.md, session 5), not 16x: much of a compile seems to hold the GIL.
 
 Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
 take about a minute to compile and autotune from an empty cache, `start_background_warmup` runs the
