@@ -47,7 +47,7 @@ from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION, packed_kernels
 
-RANK_LINE = re.compile(r"rank 0: (\d+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")
+RANK_LINE = re.compile(r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")  # the CLI's summary line
 AHEAD_LINE = re.compile(r"kernels compiled and autotuned ahead, .*: ([\d.]+) s")
 
 
@@ -90,7 +90,7 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
     if proc.returncode != 0:
         raise SystemExit(f"extract failed ({proc.returncode})")
     match = RANK_LINE.search(proc.stdout)
-    tokens, rate, compile_s = int(match.group(1)), float(match.group(2).replace(",", "")), float(match.group(3))
+    tokens, rate, compile_s = int(match.group(1).replace(",", "")), float(match.group(2).replace(",", "")), float(match.group(3))
     ahead = AHEAD_LINE.search(proc.stderr)
     return {"wall_s": wall, "tokens": tokens, "tok_s": rate, "compile_s": compile_s, "end_to_end_tok_s": tokens / wall,
             "compile_ahead_s": float(ahead.group(1)) if ahead else None}

@@ -1,6 +1,7 @@
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from tqdm import tqdm
@@ -8,6 +9,9 @@ from tqdm import tqdm
 from dflash_cache.choices import CODECS
 from dflash_cache.progress import ProgressLog
 from dflash_cache_cli.options import INT_LIST, LAYER_RULE
+
+if TYPE_CHECKING:
+    from dflash_cache.extract.worker import RankSummary
 
 
 @click.command("extract")
@@ -136,9 +140,7 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
         f"{summary.bad_records} bad records, {summary.untrainable} with nothing to train on"
     )
     for r in summary.ranks:
-        rate = r.tokens / max(r.compute_s, 1e-9)
-        click.echo(f"  rank {r.rank}: {r.tokens:,} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
-                   f"before the first batch, {r.wait_s:.1f} s waiting on disk")
+        click.echo(rank_line(r))
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")
 
@@ -153,3 +155,10 @@ def _json_object(text: str | None) -> dict | None:
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'", param_hint="--chat-template-kwargs")
     return value or None
+
+
+def rank_line(r: "RankSummary") -> str:
+    """The summary line of one rank (benchmarks/extract_cold.py reads it)."""
+    rate = r.tokens / max(r.compute_s, 1e-9)
+    return (f"  rank {r.rank}: {r.tokens:,} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
+            f"before the first batch, {r.wait_s:.1f} s waiting on disk")
