@@ -93,8 +93,10 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
         if k >= args.warmup and (CompileCounts.now() - before).compiled_anything:
             compiling_steps.append(k)
         if args.progress and (k + 1) % args.progress == 0:
+            so_far = CompileCounts.now() - started
             print(f"  {mode} step {k + 1}/{len(plans)}: {statistics.median(times[-args.progress:]) * 1e3:.1f} ms/step, "
-                  f"loss {loss.item():.3f}", flush=True)
+                  f"loss {loss.item():.3f}, so far {so_far.frames} frames compiled, {so_far.left_to_eager} left to eager, "
+                  f"{len(compiling_steps)} steps compiled after the warm-up", flush=True)
     end = CompileCounts.now()
     warmup = warmup if warmup is not None else end - started
     after = end - started - warmup if len(plans) > args.warmup else CompileCounts()
@@ -152,10 +154,10 @@ def main() -> None:
             print(f"           recompiled: {reason}")
         if cuda:
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.write_text(json.dumps({"preset": args.preset, "device": args.device, "tokens": args.tokens,
-                                         "anchors": args.anchors, "torch": torch.__version__, "results": results},
-                                        indent=2))
+        if args.json:  # after each mode, so that a run stopped in a later mode keeps the earlier ones
+            args.json.write_text(json.dumps({"preset": args.preset, "device": args.device, "tokens": args.tokens,
+                                             "anchors": args.anchors, "torch": torch.__version__, "results": results},
+                                            indent=2))
 
 
 if __name__ == "__main__":
