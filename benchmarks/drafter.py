@@ -1,7 +1,7 @@
 """Drafter training-step throughput and model-FLOPs utilisation, eager and compiled.
 
     python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
-                                 [--modes eager,compiled] [--steps 10] [--json FILE]
+                                 [--modes eager,compiled] [--steps 10] [--json FILE] [--profile DIR]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
 attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0, fused AdamW.
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.profiling import profile_run
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
@@ -129,6 +130,8 @@ def run_mode(mode: str, args, config, device: str) -> dict:
         losses.append(step(k))
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        profile_run(args.profile, f"drafter_{mode}", lambda: [step(k) for k in range(3)])
     mask_times = []
     for k in range(args.steps):
         inputs = DraftInputs.build(batches[k % 2], anchors[k % 2])
@@ -169,6 +172,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak used for MFU (measured on an H200)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     results = []

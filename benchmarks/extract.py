@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.profiling import profile_run
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
@@ -39,27 +40,6 @@ from dflash_cache.extract.warmup import compile_threads, parallel_autotune
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
-
-
-def profile_run(folder: Path, name: str, run) -> None:
-    """A Chrome trace and a table sorted by GPU time, and the share of the wall time the GPU was busy."""
-    from torch.profiler import ProfilerActivity, profile
-
-    folder.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        run()
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    prof.export_chrome_trace(str(folder / f"{name}_trace.json"))
-    averages = prof.key_averages()
-    table = averages.table(sort_by="self_device_time_total", row_limit=30)
-    gpu = sum(e.self_device_time_total for e in averages) / 1e6
-    summary = f"{name}: wall {wall:.2f} s under the profiler, kernels {gpu:.2f} s ({gpu / wall:.2f} of wall)"
-    (folder / f"{name}_profile.txt").write_text(summary + "\n" + table)
-    print(summary)
-    print(table)
 
 
 def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: str) -> dict[str, float]:
