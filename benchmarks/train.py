@@ -159,7 +159,7 @@ def main() -> None:
 
     small = replace(config, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=8,
                     num_key_value_heads=2, layer_types=["sliding_attention", "full_attention"], vocab_size=32000,
-                    mask_token_id=31999, target_hidden_size=1024)
+                    mask_token_id=31999, target_hidden_size=1024, sliding_window=config.sliding_window or 2048)
     small_step = make_step(small, device)
     # One batch's worth of random tensors on the device; each step takes a prefix of random length
     # and its own sample boundaries, so every step has a new shape.
