@@ -90,6 +90,8 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
     if proc.returncode != 0:
         raise SystemExit(f"extract failed ({proc.returncode})")
     match = RANK_LINE.search(proc.stdout)
+    if match is None:
+        raise SystemExit(f"the CLI's rank line was not in its output ({log}): benchmarks/extract_cold.py RANK_LINE needs updating")
     tokens, rate, compile_s = int(match.group(1).replace(",", "")), float(match.group(2).replace(",", "")), float(match.group(3))
     ahead = AHEAD_LINE.search(proc.stderr)
     return {"wall_s": wall, "tokens": tokens, "tok_s": rate, "compile_s": compile_s, "end_to_end_tok_s": tokens / wall,
