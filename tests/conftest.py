@@ -24,6 +24,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def quick_autotuning(request):
+    """GPU tests start from an empty Triton cache: their autotuners work as extraction's warm-up does
+    (every configuration compiled at once on threads, each timed for 30 ms instead of 125), which
+    leaves results alone and takes a cold run of the GPU tests from tens of minutes toward a few.
+    Tests of the autotuning itself are marked `own_autotuning`."""
+    if "gpu" not in request.keywords or "own_autotuning" in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    from dflash_cache.extract.warmup import compile_threads, parallel_autotune
+
+    with parallel_autotune(compile_threads()):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

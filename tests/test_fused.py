@@ -70,6 +70,7 @@ def test_fused_packed_rows_match_hf_modules(hybrid_dir):
 
 
 @pytest.mark.gpu
+@pytest.mark.own_autotuning
 def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
     import triton
     import triton.language as tl
