@@ -8,9 +8,11 @@ sample id order), which `extract --data` also reads. A JSON file
 beside it, written last, says it is complete and holds the data's report (records left out, and why). Building it streams: records are tokenized in a process pool (one process per core by
 default) and written chunk by chunk, so memory holds a few chunks and the lengths, not the data.
 
-Reading it holds only the lengths (4 bytes a sample, for the plan) until a rank asks for its own
-samples: `TokenizedData.samples(ids)` is a mapping that reads a sample from the memory-mapped file
-when it is looked up, and pickles as (path, ids), so a spawned rank receives no sample at all.
+Beside them, `KEY.index.npy` ([2, N] int64: the sample ids, then their lengths), made from the
+Arrow file on its first opening: every rank maps it, so the ids and lengths the plan needs are page
+cache shared by the ranks of a node, not each rank's memory. A rank's own samples are read when it
+asks for them: `TokenizedData.samples(ids)` is a mapping that reads a sample from the memory-mapped
+file when it is looked up, and pickles as (path, ids), so a spawned rank receives no sample at all.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
                     pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
                     pa.field("id", pa.string())])  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
+INDEX_SUFFIX = ".index.npy"
+CHECK_CHUNK = 1 << 18  # index entries checked at once
 
 
 def default_tokenized_dir() -> Path:
@@ -57,9 +61,9 @@ def _code_hash() -> str:
 
 @dataclass
 class TokenizedData:
-    path: Path  # the Arrow IPC file
-    sample_ids: np.ndarray  # int64 [N], increasing: the samples kept (a record left out keeps its id unused)
-    lengths: np.ndarray  # int64 [N]: tokens of each (after truncation)
+    path: Path  # the Arrow IPC file, KEY.arrow
+    sample_ids: np.ndarray  # int64 [N], increasing: the samples kept (a record left out keeps its id unused); mapped
+    lengths: np.ndarray  # int64 [N]: tokens of each (after truncation); mapped
     batch_starts: np.ndarray  # int64: the first row of each record batch
     info: LoadedData  # the data's hash and report; its samples are in the file, not here
 
@@ -67,11 +71,24 @@ class TokenizedData:
     def source_hash(self) -> str:
         return self.info.source_hash
 
+    @property
+    def key(self) -> str:
+        """What names this data's files in the tokenized-data folder (and the plans kept beside it)."""
+        return self.path.stem
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The row of each of `ids` (sample ids) in `sample_ids`, -1 where the data does not hold it."""
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = np.searchsorted(self.sample_ids, ids)
+        inside = rows < len(self.sample_ids)
+        inside[inside] = self.sample_ids[rows[inside]] == ids[inside]
+        return np.where(inside, rows, -1)
+
     def samples(self, ids: Iterable[int]) -> SampleStore:
         """A mapping of the samples `ids` (all kept), each read from the file when looked up."""
         ids = np.unique(np.fromiter(ids, dtype=np.int64))
-        rows = np.searchsorted(self.sample_ids, ids)
-        if len(ids) and (rows.max() >= len(self.sample_ids) or not np.array_equal(self.sample_ids[rows], ids)):
+        rows = self.rows_of(ids)
+        if len(ids) and rows.min() < 0:
             raise KeyError("a sample id that the tokenized data does not hold")
         return SampleStore(self.path, ids, rows, self.batch_starts)
 
@@ -168,20 +185,58 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
         if not reader.schema.equals(SCHEMA):
             return None
-        ids, lengths, starts = [], [], [0]
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            ids.append(batch.column(0).to_numpy())
-            lengths.append(np.diff(batch.column(1).offsets.to_numpy()))
-            starts.append(starts[-1] + batch.num_rows)
+        sizes = np.array([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)], dtype=np.int64)
+        if sizes.sum() != info["rows"]:
+            return None
+        index = _index(folder / f"{key}{INDEX_SUFFIX}", reader, info["rows"])
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
-    sample_ids = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, dtype=np.int64)
-    if len(sample_ids) != info["rows"] or np.any(np.diff(sample_ids) <= 0):
+    if index is None:
         return None
-    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
-    return TokenizedData(path, sample_ids, lengths, np.array(starts[:-1], dtype=np.int64),
-                         LoadedData([], **report))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, dtype=np.int64)
+    return TokenizedData(path, index[0], index[1], starts, LoadedData([], **report))
+
+
+def _index(path: Path, reader: pa.ipc.RecordBatchFileReader, rows: int) -> np.ndarray | None:
+    """The [2, rows] index of the Arrow file `reader` reads (sample ids, lengths), mapped from `path`;
+    written first if absent or not what it should be. None if the Arrow file's ids are not increasing."""
+    index = _load_index(path, rows)
+    if index is None:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, rows))
+            at = 0
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                n = batch.num_rows
+                out[0, at : at + n] = batch.column(0).to_numpy()
+                out[1, at : at + n] = np.diff(batch.column(1).offsets.to_numpy())
+                at += n
+            out.flush()
+            del out
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        index = _load_index(path, rows)
+    return index
+
+
+def _load_index(path: Path, rows: int) -> np.ndarray | None:
+    """The index at `path` mapped read-only, if it has the shape and type it should and its ids
+    increase (checked a chunk at a time); None otherwise. Never unpickled."""
+    try:
+        index = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if index.dtype != np.dtype("<i8") or index.shape != (2, rows):
+        return None
+    for start in range(0, rows, CHECK_CHUNK):
+        ids = index[0, max(0, start - 1) : start + CHECK_CHUNK]  # overlapping by one: every step checked
+        if np.any(np.diff(ids) <= 0) or index[1, start : start + CHECK_CHUNK].min() < 1:
+            return None
+    return index
 
 
 def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, options: EncodeOptions,
@@ -189,6 +244,8 @@ def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, o
     path = folder / f"{key}.arrow"
     tmp = path.with_suffix(f".arrow.tmp{os.getpid()}")
     report = LoadedData([], 0, fields["source_hash"])
+    for stale in [folder / f"{key}{INDEX_SUFFIX}", *folder.glob(f"{key}.plan-*.npy")]:  # of a file built before
+        stale.unlink(missing_ok=True)
     rows = 0
     try:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:

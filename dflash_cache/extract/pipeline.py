@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 from dflash_cache.data.dataset import EncodeOptions, LoadedData
 from dflash_cache.data.readers import check_data_file
-from dflash_cache.data.tokenized import tokenized_data
+from dflash_cache.data.plan_file import kept_plan
+from dflash_cache.data.tokenized import TokenizedData, tokenized_data
 from dflash_cache.data.plan import shard_for_rank
 from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.buckets import BucketLayout
@@ -42,9 +41,10 @@ from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.store.codecs import check_codec
-from dflash_cache.store.manifest import MANIFEST, build_manifest, read_journals, write_manifest, write_remote_manifest, spec_differences
+from dflash_cache.store.manifest import (MANIFEST, build_manifest, read_journals, scan_journals, spec_differences, write_manifest,
+                                         write_remote_manifest)
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
-from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, ShardRecord, cut_torn_line
+from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
 
 HEAD = "target/head.safetensors"
@@ -150,13 +150,6 @@ def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None
             path.unlink()
 
 
-def _next_shard_index(shards: list[ShardRecord], rank: int) -> int:
-    """After the committed shards of `rank` (read from the journals: a remote rank's shards are not local)."""
-    mine = re.compile(rf"{SHARD_DIR}/r{rank}-(\d+)\.arrow")
-    used = [int(m.group(1)) for m in (mine.fullmatch(s.path) for s in shards) if m]
-    return max(used, default=-1) + 1
-
-
 def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length: int, longest: int) -> Layout:
     """Packed rows of max(token budget, longest sample) tokens where the target runs them exactly;
     else padded batches on a fixed set of shapes."""
@@ -220,7 +213,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                          hash_weights=opts.hash_weights, layout=layout)
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs
-        state = read_journals(store)
+        ranks = None if dist is None else rank_ids  # whose shard files this process may delete
+        state = scan_journals(store, data.rows_of, len(data.sample_ids), ranks)
         if state.spec is not None and state.spec != spec:
             diffs = "; ".join(spec_differences(state.spec, spec))
             raise DFlashCacheError(f"{store} holds a cache made with other settings ({diffs}); use another --out")
@@ -232,27 +226,25 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         if remote is not None:
             for rank in rank_ids:
                 Uploader(remote, root, rank).reconcile(spec)
-            state = read_journals(remote)
+            state = scan_journals(remote, data.rows_of, len(data.sample_ids), ranks)
         else:
-            _remove_uncommitted(root, {s.path for s in state.shards}, None if dist is None else rank_ids)
-        done = state.done_ids()
-        batches = layout.plan(data.sample_ids, data.lengths)  # compact: each rank lists only its own share
-        left = ~np.isin(data.sample_ids, done, assume_unique=True)
-        on_plan(int(left.sum()), int(data.lengths[left].sum()), layout.describe())
+            _remove_uncommitted(root, state.committed, ranks)
+        batches = kept_plan(data, layout)  # mapped from a file: each rank lists only its own share
+        left = len(data.sample_ids) - state.done.count()
+        on_plan(left, int(data.lengths.sum()) - state.done.total(data.lengths), layout.describe())
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
-        complete = not left.any() and state.target_files is not None and _exists(store, HEAD)
+        complete = not left and state.target_files is not None and _exists(store, HEAD)
         if complete:
             _stop(warmup)  # nothing to compute and no target to load: only the manifest, if missing
         for rank, device in zip([] if complete else rank_ids, devices):
             mine = shard_for_rank(batches, rank, world, drop_remainder=False)
-            ids = np.fromiter((sid for batch in mine for sid in batch), dtype=np.int64)
+            samples = data.samples(sid for batch in mine for sid in batch)  # read when the rank needs them
             jobs.append(
                 RankJob(
                     root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, layout=layout, batches=mine,
-                    samples=data.samples(ids),  # read when the rank needs them
-                    done=set(ids[np.isin(ids, done)].tolist()),
-                    first_shard_index=_next_shard_index(state.shards, rank), on_bad_sample=opts.on_bad_sample,
+                    samples=samples, done=set(samples.ids[state.done.has(samples.rows)].tolist()),
+                    first_shard_index=state.next_index.get(rank, 0), on_bad_sample=opts.on_bad_sample,
                     max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
                     # Again when a run died before journaling their hashes (a head file may be partial).
                     write_target_files=rank == 0 and (state.target_files is None or not _exists(store, HEAD)),
@@ -260,7 +252,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, data.sample_ids, data.info.report())
+        manifest = _finalise(store, data, data.info.report())
     except BaseException:
         _stop(warmup)
         lock.release(discard=not writing)
@@ -279,7 +271,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         ranks=summaries,
         bad_records=len(data.info.bad_records),
         untrainable=len(data.info.untrainable),
-        already_complete=not left.any(),
+        already_complete=not left,
         manifest=manifest,
     )
 
@@ -289,12 +281,13 @@ def _stop(process) -> None:
         process.kill()
 
 
-def _finalise(store: Path | RemoteDir, all_ids: np.ndarray, report: dict) -> dict | None:
+def _finalise(store: Path | RemoteDir, data: TokenizedData, report: dict) -> dict | None:
     """Write the manifest once the journals cover every sample and the target head is there (under
-    torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes)."""
-    state = read_journals(store)
-    if len(np.setdiff1d(all_ids, state.done_ids())) or not _exists(store, HEAD):
+    torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes). Only
+    that rank holds every shard record: the others see from a scan that the cache is not complete."""
+    if scan_journals(store, data.rows_of, len(data.sample_ids)).done.count() < len(data.sample_ids) or not _exists(store, HEAD):
         return None
+    state = read_journals(store)
     manifest = build_manifest(state, {"extract": report})
     if isinstance(store, RemoteDir):
         write_remote_manifest(store, manifest)

@@ -10,7 +10,9 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Iterable, Iterator
+import re
+from array import array
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +20,12 @@ import numpy as np
 
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.rowbits import RowBits
 from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import JOURNAL_DIR, ShardRecord, fsync_dir, parse_journal, read_journal
+from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, ShardRecord, fsync_dir, iter_journal, read_journal
 
 MANIFEST = "manifest.json"
 
@@ -54,14 +57,16 @@ def _journals(root: Path | RemoteDir) -> Iterator[tuple[str, Iterable[dict]]]:
     if isinstance(root, RemoteDir):
         names = [n for n in root.list(JOURNAL_DIR) if n.startswith("r") and n.endswith(".jsonl")]
         for p in (f"{JOURNAL_DIR}/{n}" for n in names):
-            yield root.url_of(p), parse_journal(root.read_bytes(p).decode(), root.url_of(p))
+            yield root.url_of(p), iter_journal(root.read_bytes(p).decode().split("\n"), root.url_of(p))
         return
     for p in sorted((Path(root) / JOURNAL_DIR).glob("r*.jsonl")):
         yield str(p), read_journal(p)
 
 
-def read_journals(root: Path | RemoteDir) -> JournalState:
-    spec, shards, skipped, target_files = None, {}, {}, None
+def _entries(root: Path | RemoteDir) -> Iterator[tuple[str, str, object]]:
+    """(journal, kind, value) of every entry of every journal, checked: kind "spec" (a dict, the same
+    in every journal), "shard" (a ShardRecord), "skipped" ({"sample_id", "reason"}) or "target_files"."""
+    spec = None
     for path, entries in _journals(root):
         for entry in entries:
             try:
@@ -71,19 +76,120 @@ def read_journals(root: Path | RemoteDir) -> JournalState:
                     if spec is not None and entry["spec"] != spec:
                         raise DFlashCacheError(f"{path}: spec differs from the other journals")
                     spec = entry["spec"]
+                    item = ("spec", spec)
                 elif "shard" in entry:
-                    record = shard_record(entry["shard"])
-                    shards[record.path] = record
+                    item = ("shard", shard_record(entry["shard"]))
                 elif "skipped" in entry:
                     if not _counts([entry["skipped"]["sample_id"]]):
                         raise ValueError("a skipped sample id is not an integer")
-                    skipped[entry["skipped"]["sample_id"]] = entry["skipped"]
+                    item = ("skipped", entry["skipped"])
                 elif "target_files" in entry:
-                    target_files = target_file_list(entry["target_files"])
+                    item = ("target_files", target_file_list(entry["target_files"]))
+                else:
+                    continue
             except (KeyError, TypeError, ValueError) as e:
                 raise DFlashCacheError(f"{path}: corrupt entry ({e}); restore the file, or delete it to extract "
                                        "that rank's samples again") from None
+            yield path, *item
+
+
+def read_journals(root: Path | RemoteDir) -> JournalState:
+    spec, shards, skipped, target_files = None, {}, {}, None
+    for _, kind, value in _entries(root):
+        if kind == "spec":
+            spec = value
+        elif kind == "shard":
+            shards[value.path] = value
+        elif kind == "skipped":
+            skipped[value["sample_id"]] = value
+        else:
+            target_files = value
     return JournalState(spec, [shards[p] for p in sorted(shards)], [skipped[s] for s in sorted(skipped)], target_files)
+
+
+@dataclass
+class JournalScan:
+    """What a starting extraction rank needs of the journals, without their shard records (about a
+    kilobyte each as Python objects: 100 MB at 100,000 shards, on every rank, since a resumed run
+    may have another world size and so any rank's samples)."""
+
+    spec: dict | None
+    target_files: dict[str, str] | None
+    done: RowBits  # the rows of the data scanned for whose samples are committed or skipped
+    committed: set[str]  # the committed shard paths of the ranks asked for
+    next_index: dict[int, int]  # rank: the index of its next shard (after its last committed one)
+
+
+class _NotInOrder(Exception):
+    """A journal that `ShardWriter` did not write as it writes them (see scan_journals)."""
+
+
+_RANK_JOURNAL = re.compile(r"r(0|[1-9][0-9]*)\.jsonl")
+_RANK_SHARD = re.compile(rf"{SHARD_DIR}/r(0|[1-9][0-9]*)-([0-9]+)\.arrow")
+SCAN_CHUNK = 1 << 16  # sample ids looked up at once
+
+
+def scan_journals(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int,
+                  ranks: Collection[int] | None = None) -> JournalScan:
+    """The journals' spec, target files and next shard indices; which of `rows` data rows are done
+    (`rows_of(sample_ids)`: their rows, -1 for an id the data does not hold, which is left out as
+    `read_journals(root).done_ids()` would be by the caller); the committed shard paths of `ranks`
+    (None: all). Holds a bit a data row and the paths asked for, whatever the number of shards.
+
+    That a shard path listed twice is one shard (the last listing counts, as in `read_journals`) is
+    seen without holding every path because `ShardWriter` journals rank R's shards in rR.jsonl,
+    named shards/rR-INDEX.arrow with increasing indices; journals that are not so (written by hand)
+    are read whole by `read_journals` instead."""
+    try:
+        return _scan(root, rows_of, rows, ranks)
+    except _NotInOrder:
+        pass
+    state = read_journals(root)
+    done = RowBits(rows)
+    _mark(done, rows_of, state.done_ids())
+    next_index: dict[int, int] = {}
+    for shard in state.shards:
+        if m := _RANK_SHARD.fullmatch(shard.path):
+            rank = int(m.group(1))
+            next_index[rank] = max(next_index.get(rank, 0), int(m.group(2)) + 1)
+    return JournalScan(state.spec, state.target_files, done, {s.path for s in state.shards}, next_index)
+
+
+def _scan(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int,
+          ranks: Collection[int] | None) -> JournalScan:
+    spec = target_files = None
+    done, pending = RowBits(rows), array("q")
+    committed: set[str] = set()
+    next_index: dict[int, int] = {}
+    for where, kind, value in _entries(root):
+        if kind == "spec":
+            spec = value
+        elif kind == "target_files":
+            target_files = value
+        elif kind == "skipped":
+            pending.append(value["sample_id"])
+        else:
+            journal = _RANK_JOURNAL.fullmatch(where.rsplit("/", 1)[-1])
+            shard = _RANK_SHARD.fullmatch(value.path)
+            if not (journal and shard and journal.group(1) == shard.group(1)):
+                raise _NotInOrder
+            rank, index = int(shard.group(1)), int(shard.group(2))
+            if index < next_index.get(rank, 0):
+                raise _NotInOrder
+            next_index[rank] = index + 1
+            if ranks is None or rank in ranks:
+                committed.add(value.path)
+            pending.extend(value.sample_ids)
+        if len(pending) >= SCAN_CHUNK:
+            _mark(done, rows_of, np.frombuffer(pending, dtype=np.int64))
+            pending = array("q")
+    _mark(done, rows_of, np.frombuffer(pending, dtype=np.int64))
+    return JournalScan(spec, target_files, done, committed, next_index)
+
+
+def _mark(done: RowBits, rows_of: Callable[[np.ndarray], np.ndarray], sample_ids: np.ndarray) -> None:
+    rows = rows_of(sample_ids)
+    done.add(rows[rows >= 0])
 
 
 def _counts(values) -> bool:
