@@ -186,11 +186,11 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
         if not reader.schema.equals(SCHEMA):
             return None
         sizes = np.array([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)], dtype=np.int64)
-        if sizes.sum() != info["rows"]:
+        if type(info["rows"]) is not int or sizes.sum() != info["rows"]:
             return None
-        index = _index(folder / f"{key}{INDEX_SUFFIX}", reader, info["rows"])
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
+    index = _index(folder / f"{key}{INDEX_SUFFIX}", reader, info["rows"])
     if index is None:
         return None
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, dtype=np.int64)
@@ -199,7 +199,8 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
 
 def _index(path: Path, reader: pa.ipc.RecordBatchFileReader, rows: int) -> np.ndarray | None:
     """The [2, rows] index of the Arrow file `reader` reads (sample ids, lengths), mapped from `path`;
-    written first if absent or not what it should be. None if the Arrow file's ids are not increasing."""
+    written first if absent or not what it should be. None if the Arrow file does not read or its ids
+    do not increase."""
     index = _load_index(path, rows)
     if index is None:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -217,6 +218,11 @@ def _index(path: Path, reader: pa.ipc.RecordBatchFileReader, rows: int) -> np.nd
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except (ValueError, pa.ArrowException):
+            return None  # the Arrow file does not read as its metadata says: built again
+        except OSError as e:
+            raise DFlashCacheError(f"writing {path} failed ({e.strerror or e}); free space there or pass "
+                                   "--tokenized-dir DIR") from None
         finally:
             tmp.unlink(missing_ok=True)
         index = _load_index(path, rows)
