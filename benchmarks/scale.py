@@ -12,10 +12,12 @@
    process, up to the point where the worker would load the target: the plan is made and the rank's
    samples are ready (the worker's first pass over them, the sizes of its batches, is done, and the
    first batch's tokens are read). The target's loading is left out. Reported per rank: seconds from
-   the process start to that point, and peak resident memory (ru_maxrss), for a fresh extraction
-   (rank 0 tokenizes; in a real torchrun the other ranks wait for it, here they run after it) and for a
-   resumed one (journals list half the samples as committed, 5 to a shard record as 512 MiB shards hold;
-   the tokenized data exists).
+   the process start to that point, and peak resident memory (anonymous: RssAnon, and ru_maxrss), for a
+   fresh extraction (rank 0 tokenizes and makes the plan, which is kept beside the tokenized data; in a
+   real torchrun the other ranks wait for it, here they run after it) and for a resumed one (journals
+   list half the samples as committed, 5 to a shard record as 512 MiB shards hold; the tokenized data
+   and the plan exist). The single process also finds the plan made: it is compared with a rank as
+   a run that holds everything itself, not as one that pays for planning.
 3. Time to the first training step on a cache of --shards one-row shards (tiny rows: the manifest's
    size and the first batch's reads are measured, not the rows' decompression), with the tiny test drafter.
 """
