@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-CHUNK = 1 << 18  # rows handled at once by the whole-set passes, so they hold no array of n
+CHUNK = 1 << 16  # rows handled at once by passes over n rows: tens of bytes a row for a moment (~3 MB)
 
 
 class RowBits:

@@ -32,6 +32,14 @@ def write(root, journals):
     return root
 
 
+PATHS = ["shards/r0-00000.arrow", "shards/r0-00001.arrow", "shards/r1-00000.arrow", "shards/r1-00002.arrow",
+         "shards/r1-00001.arrow", "shards/r1-2.arrow", "shards/r2-00000.arrow", "shards/x.arrow"]
+
+
+def committed(scan):
+    return {p for p in PATHS if p in scan.committed}
+
+
 def done_ids(scan):
     return {sid for row, sid in enumerate(DATA_IDS) if scan.done.has(np.array([row]))[0]}
 
@@ -49,19 +57,19 @@ def test_journals_as_the_writer_writes_them(tmp_path):
     assert scan.spec == SPEC and scan.target_files == {"config.json": "a" * 64}
     assert done_ids(scan) == {0, 1, 2, 3, 5, 6, 7, 9}
     assert scan.done.count() == 8 and scan.done.total(np.array([10 * sid for sid in DATA_IDS])) == 330
-    assert scan.committed == {"shards/r1-00000.arrow", "shards/r1-00002.arrow"}
+    assert committed(scan) == {"shards/r1-00000.arrow", "shards/r1-00002.arrow"}
     assert scan.next_index == {0: 2, 1: 3}
     everyone = scan_journals(root, rows_of, len(DATA_IDS))
-    assert everyone.committed == {"shards/r0-00000.arrow", "shards/r0-00001.arrow", "shards/r1-00000.arrow",
-                                  "shards/r1-00002.arrow"}
+    assert committed(everyone) == {"shards/r0-00000.arrow", "shards/r0-00001.arrow", "shards/r1-00000.arrow",
+                                   "shards/r1-00002.arrow"}
     # The same as the whole records say.
     state = read_journals(root)
     assert done_ids(everyone) == set(state.done_ids().tolist()) & set(DATA_IDS)
-    assert everyone.committed == {s.path for s in state.shards}
+    assert committed(everyone) == {s.path for s in state.shards}
 
 
 @pytest.mark.parametrize("case", ["listed twice", "in another rank's journal", "not a rank's journal name",
-                                  "indices going down"])
+                                  "indices going down", "not the writer's shard name"])
 def test_journals_not_in_writer_order_read_as_their_whole_records_say(tmp_path, case):
     journals = {name: list(entries) for name, entries in WRITER_ORDER.items()}
     expected_done, expected_next = {0, 1, 2, 3, 5, 6, 7, 9}, {0: 2, 1: 3}
@@ -73,13 +81,16 @@ def test_journals_not_in_writer_order_read_as_their_whole_records_say(tmp_path, 
         expected_done, expected_next = expected_done | {8}, {0: 2, 1: 6}
     elif case == "not a rank's journal name":
         journals["r01.jsonl"] = journals.pop("r1.jsonl")
+    elif case == "not the writer's shard name":  # index 3 by its digits, yet not the path shards/r1-00003.arrow
+        journals["r1.jsonl"].append(shard("shards/r1-3.arrow", [8]))
+        expected_done, expected_next = expected_done | {8}, {0: 2, 1: 4}
     else:
         journals["r0.jsonl"].reverse()
     root = write(tmp_path / "cache", journals)
     scan = scan_journals(root, rows_of, len(DATA_IDS), ranks=[1])
     assert done_ids(scan) == expected_done and scan.next_index == expected_next
     assert done_ids(scan) == set(read_journals(root).done_ids().tolist()) & set(DATA_IDS)
-    assert {"shards/r1-00000.arrow", "shards/r1-00002.arrow"} <= scan.committed
+    assert committed(scan) == {s.path for s in read_journals(root).shards} & set(PATHS)
 
 
 def test_a_corrupt_entry_is_the_same_error_as_for_the_whole_read(tmp_path):

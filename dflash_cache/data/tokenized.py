@@ -32,6 +32,7 @@ import pyarrow as pa
 from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.rowbits import CHUNK
 
 FORMAT = 2  # 2: the id column; a file of another format is never reused (its key differs)
 SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
@@ -40,7 +41,6 @@ SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
                     pa.field("id", pa.string())])  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 INDEX_SUFFIX = ".index.npy"
-CHECK_CHUNK = 1 << 18  # index entries checked at once
 
 
 def default_tokenized_dir() -> Path:
@@ -238,9 +238,9 @@ def _load_index(path: Path, rows: int) -> np.ndarray | None:
         return None
     if index.dtype != np.dtype("<i8") or index.shape != (2, rows):
         return None
-    for start in range(0, rows, CHECK_CHUNK):
-        ids = index[0, max(0, start - 1) : start + CHECK_CHUNK]  # overlapping by one: every step checked
-        if np.any(np.diff(ids) <= 0) or index[1, start : start + CHECK_CHUNK].min() < 1:
+    for start in range(0, rows, CHUNK):
+        ids = index[0, max(0, start - 1) : start + CHUNK]  # overlapping by one: every step checked
+        if np.any(np.diff(ids) <= 0) or index[1, start : start + CHUNK].min() < 1:
             return None
     return index
 

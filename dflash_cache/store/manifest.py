@@ -25,7 +25,7 @@ from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, ShardRecord, fsync_dir, iter_journal, read_journal
+from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, ShardRecord, fsync_dir, iter_journal, read_journal, shard_name
 
 MANIFEST = "manifest.json"
 
@@ -116,8 +116,27 @@ class JournalScan:
     spec: dict | None
     target_files: dict[str, str] | None
     done: RowBits  # the rows of the data scanned for whose samples are committed or skipped
-    committed: set[str]  # the committed shard paths of the ranks asked for
+    committed: CommittedShards  # `path in committed` for the shards of the ranks asked for
     next_index: dict[int, int]  # rank: the index of its next shard (after its last committed one)
+
+
+class CommittedShards:
+    """Committed shard paths, for `path in committed`: held as each rank's shard indices (8 bytes a
+    shard, where a set of paths costs ~100) when the journals are as extract writes them."""
+
+    def __init__(self, paths: set[str] | None = None, indices: dict[int, np.ndarray] | None = None):
+        self.paths = paths or set()
+        self.indices = indices or {}  # rank: its committed shards' indices, increasing
+
+    def __contains__(self, path: object) -> bool:
+        if path in self.paths:
+            return True
+        m = _RANK_SHARD.fullmatch(path) if isinstance(path, str) else None
+        if m is None or path != f"{SHARD_DIR}/{shard_name(int(m[1]), int(m[2]))}" or int(m[1]) not in self.indices:
+            return False
+        found, index = self.indices[int(m[1])], int(m[2])
+        i = int(np.searchsorted(found, index))
+        return i < len(found) and found[i] == index
 
 
 class _NotInOrder(Exception):
@@ -138,8 +157,8 @@ def scan_journals(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.nda
 
     That a shard path listed twice is one shard (the last listing counts, as in `read_journals`) is
     seen without holding every path because `ShardWriter` journals rank R's shards in rR.jsonl,
-    named shards/rR-INDEX.arrow with increasing indices; journals that are not so (written by hand)
-    are read whole by `read_journals` instead."""
+    named shards/rR-INDEX.arrow (`shard_name`) with increasing indices; journals that are not so
+    (written by hand) are read whole by `read_journals` instead."""
     try:
         return _scan(root, rows_of, rows, ranks)
     except _NotInOrder:
@@ -152,14 +171,14 @@ def scan_journals(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.nda
         if m := _RANK_SHARD.fullmatch(shard.path):
             rank = int(m.group(1))
             next_index[rank] = max(next_index.get(rank, 0), int(m.group(2)) + 1)
-    return JournalScan(state.spec, state.target_files, done, {s.path for s in state.shards}, next_index)
+    return JournalScan(state.spec, state.target_files, done, CommittedShards({s.path for s in state.shards}), next_index)
 
 
 def _scan(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int,
           ranks: Collection[int] | None) -> JournalScan:
     spec = target_files = None
     done, pending = RowBits(rows), array("q")
-    committed: set[str] = set()
+    committed: dict[int, array] = {}
     next_index: dict[int, int] = {}
     for where, kind, value in _entries(root):
         if kind == "spec":
@@ -174,17 +193,18 @@ def _scan(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], r
             if not (journal and shard and journal.group(1) == shard.group(1)):
                 raise _NotInOrder
             rank, index = int(shard.group(1)), int(shard.group(2))
-            if index < next_index.get(rank, 0):
+            if index < next_index.get(rank, 0) or value.path != f"{SHARD_DIR}/{shard_name(rank, index)}":
                 raise _NotInOrder
             next_index[rank] = index + 1
             if ranks is None or rank in ranks:
-                committed.add(value.path)
+                committed.setdefault(rank, array("q")).append(index)
             pending.extend(value.sample_ids)
         if len(pending) >= SCAN_CHUNK:
             _mark(done, rows_of, np.frombuffer(pending, dtype=np.int64))
             pending = array("q")
     _mark(done, rows_of, np.frombuffer(pending, dtype=np.int64))
-    return JournalScan(spec, target_files, done, committed, next_index)
+    indices = {rank: np.frombuffer(found, dtype=np.int64) for rank, found in committed.items()}
+    return JournalScan(spec, target_files, done, CommittedShards(indices=indices), next_index)
 
 
 def _mark(done: RowBits, rows_of: Callable[[np.ndarray], np.ndarray], sample_ids: np.ndarray) -> None:
