@@ -22,8 +22,12 @@ def data_file(tmp_path, tokenizer):
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 200, 700)
     rows = [rng.integers(0, len(tokenizer), n).tolist() for n in lengths]
+    masks = [(rng.random(n) < 0.7).tolist() for n in lengths]
+    for m in masks:
+        m[-1] = True  # something to train on
+    ids = [None if i % 3 == 0 else f"rec-{i}-é" if i % 3 == 1 else "" for i in range(len(rows))]
     path = tmp_path / "tokens.parquet"
-    pq.write_table(pa.table({"input_ids": rows}), path)
+    pq.write_table(pa.table({"input_ids": rows, "loss_mask": masks, "id": ids}), path)
     return path
 
 
@@ -106,19 +110,19 @@ def test_rebuilding_the_tokenized_data_drops_its_plans_and_index(data_file, toke
 def test_the_index_is_made_when_missing_and_again_when_damaged(data_file, tokenizer, tmp_path):
     folder = tmp_path / "tok"
     data = load(data_file, tokenizer, folder)
-    # The reference: the Arrow file's own columns.
-    table = pa.ipc.open_file(pa.memory_map(str(data.path))).read_all()
-    ids = table.column("sample_id").to_numpy()
-    lengths = np.array([len(x) for x in table.column("input_ids").to_pylist()])
-    assert isinstance(data.sample_ids, np.memmap) and np.array_equal(data.sample_ids, ids)
-    assert np.array_equal(data.lengths, lengths) and len(ids) == 700
+    # The reference: the Arrow file's own columns, read by pyarrow.
+    table = pa.ipc.open_file(pa.memory_map(str(data.path))).read_all().to_pydict()
+    ids, lengths = table["sample_id"], [len(x) for x in table["input_ids"]]
+    assert len(ids) == 700 and {None, ""} < set(table["id"])
     index = folder / f"{data.key}.index.npy"
     good = np.load(index)
     swapped = good.copy()
     swapped[0, [3, 4]] = swapped[0, [4, 3]]  # ids out of order
     zero = good.copy()
     zero[1, 9] = 0  # a sample of no tokens
-    for bad in [None, b"", good[:, :-1], good.astype(np.int32), swapped, zero, good.T.copy()]:
+    outside = good.copy()
+    outside[2, 5] = data.path.stat().st_size  # tokens past the end of the file
+    for bad in [None, b"", good[:, :-1], good.astype(np.int32), swapped, zero, outside, good.T.copy(), good[:2]]:
         if bad is None:
             index.unlink()  # a folder kept by a version that wrote no index
         elif isinstance(bad, bytes):
@@ -126,5 +130,11 @@ def test_the_index_is_made_when_missing_and_again_when_damaged(data_file, tokeni
         else:
             np.save(index, bad)
         again = load(data_file, tokenizer, folder)
-        assert np.array_equal(again.sample_ids, ids) and np.array_equal(again.lengths, lengths)
-        assert np.array_equal(np.load(index), good)
+        assert isinstance(again.sample_ids, np.memmap) and again.sample_ids.tolist() == ids
+        assert again.lengths.tolist() == lengths and np.array_equal(np.load(index), good)
+    # Every sample, read at the places the index gives, is the file's row.
+    store = again.samples(ids)
+    for row, sid in enumerate(ids):
+        sample = store[sid]
+        assert sample.input_ids.tolist() == table["input_ids"][row] and sample.loss_mask.tolist() == table["loss_mask"][row]
+        assert sample.record_id == table["id"][row]

@@ -8,11 +8,13 @@ sample id order), which `extract --data` also reads. A JSON file
 beside it, written last, says it is complete and holds the data's report (records left out, and why). Building it streams: records are tokenized in a process pool (one process per core by
 default) and written chunk by chunk, so memory holds a few chunks and the lengths, not the data.
 
-Beside them, `KEY.index.npy` ([2, N] int64: the sample ids, then their lengths), made from the
-Arrow file on its first opening: every rank maps it, so the ids and lengths the plan needs are page
-cache shared by the ranks of a node, not each rank's memory. A rank's own samples are read when it
-asks for them: `TokenizedData.samples(ids)` is a mapping that reads a sample from the memory-mapped
-file when it is looked up, and pickles as (path, ids), so a spawned rank receives no sample at all.
+Beside them, `KEY.index.npy` (int64 [6, N], `INDEX_ROWS`: each sample's id and length, and where
+its tokens, loss mask and record id lie in the Arrow file), made from the Arrow file on its first
+opening: every rank maps it, so the ids and lengths the plan needs are page cache shared by the
+ranks of a node, not each rank's memory. A rank's own samples are read when it asks for them:
+`TokenizedData.samples(ids)` is a mapping that reads a sample from the memory-mapped files when it
+is looked up, holding nothing per record batch, and pickles as (path, ids), so a spawned rank
+receives no sample at all.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
                     pa.field("id", pa.string())])  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 INDEX_SUFFIX = ".index.npy"
+# The index's rows: byte offsets in the Arrow file of a sample's first token id and of its record
+# id's UTF-8 bytes (-1: no id), the bit offset of its first loss-mask bit, the record id's bytes.
+INDEX_ROWS = ("sample_id", "length", "ids_at", "mask_bit", "record_id_at", "record_id_bytes")
 
 
 def default_tokenized_dir() -> Path:
@@ -64,7 +69,7 @@ class TokenizedData:
     path: Path  # the Arrow IPC file, KEY.arrow
     sample_ids: np.ndarray  # int64 [N], increasing: the samples kept (a record left out keeps its id unused); mapped
     lengths: np.ndarray  # int64 [N]: tokens of each (after truncation); mapped
-    batch_starts: np.ndarray  # int64: the first row of each record batch
+    index: np.ndarray  # int64 [len(INDEX_ROWS), N], mapped: sample_ids and lengths are its first two rows
     info: LoadedData  # the data's hash and report; its samples are in the file, not here
 
     @property
@@ -90,27 +95,32 @@ class TokenizedData:
         rows = self.rows_of(ids)
         if len(ids) and rows.min() < 0:
             raise KeyError("a sample id that the tokenized data does not hold")
-        return SampleStore(self.path, ids, rows, self.batch_starts)
+        return SampleStore(self.path, ids, rows)
 
 
 class SampleStore(Mapping[int, Sample]):
-    """Samples of a tokenized file, read when looked up (safe from several threads)."""
+    """Samples of a tokenized file, read when looked up from the mapped Arrow file at the places its
+    index gives (safe from several threads: nothing is written after the maps are made)."""
 
-    def __init__(self, path: Path, ids: np.ndarray, rows: np.ndarray, batch_starts: np.ndarray):
+    def __init__(self, path: Path, ids: np.ndarray, rows: np.ndarray):
         self.path = Path(path)
-        self.ids, self.rows, self.batch_starts = ids, rows, batch_starts
-        self._reader: pa.ipc.RecordBatchFileReader | None = None
-        # Per record batch read: (offsets, input ids, loss mask), views of the mapped file. Reading a
-        # batch's metadata again for every sample cost ~10x the lookup.
-        self._batches: dict[int, tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]] = {}
+        self.ids, self.rows = ids, rows
+        self._maps: tuple[np.ndarray, np.ndarray] | None = None  # (the Arrow file's bytes, the index)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "ids": self.ids, "rows": self.rows, "batch_starts": self.batch_starts}
+        return {"path": self.path, "ids": self.ids, "rows": self.rows}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._reader, self._batches, self._lock = None, {}, threading.Lock()
+        self._maps, self._lock = None, threading.Lock()
+
+    def _mapped(self) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            if self._maps is None:
+                index = np.load(self.path.with_name(self.path.stem + INDEX_SUFFIX), mmap_mode="r", allow_pickle=False)
+                self._maps = (np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r")), index)
+            return self._maps
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -126,21 +136,15 @@ class SampleStore(Mapping[int, Sample]):
         i = np.searchsorted(self.ids, sample_id)
         if not (i < len(self.ids) and self.ids[i] == sample_id):
             raise KeyError(sample_id)
-        row = int(self.rows[i])
-        b = int(np.searchsorted(self.batch_starts, row, side="right")) - 1
-        with self._lock:
-            if b not in self._batches:
-                if self._reader is None:
-                    self._reader = pa.ipc.open_file(pa.memory_map(str(self.path)))
-                batch = self._reader.get_batch(b)
-                ids, mask = batch.column(1), batch.column(2)
-                self._batches[b] = (ids.offsets.to_numpy(), ids.values.to_numpy(), mask.values, batch.column(3))
-            offsets, values, mask_values, record_ids = self._batches[b]
-        r = row - int(self.batch_starts[b])
-        start, end = int(offsets[r]), int(offsets[r + 1])
-        loss_mask = mask_values.slice(start, end - start).to_numpy(zero_copy_only=False)
-        # input ids: a view of the mapped file
-        return Sample(int(sample_id), values[start:end], loss_mask, record_ids[r].as_py())
+        data, index = self._mapped()
+        _, n, ids_at, mask_bit, rid_at, rid_bytes = index[:, int(self.rows[i])].tolist()
+        if max(ids_at + 4 * n, (mask_bit + n + 7) >> 3, rid_at + rid_bytes) > len(data):
+            raise DFlashCacheError(f"{self.path} is shorter than its index says; delete it and rerun")
+        input_ids = data[ids_at : ids_at + 4 * n].view(np.int32)  # a view of the mapped file
+        skip = mask_bit & 7
+        loss_mask = np.unpackbits(data[mask_bit >> 3 : (mask_bit + n + 7) >> 3], bitorder="little")[skip : skip + n].astype(bool)
+        record_id = None if rid_at < 0 else data[rid_at : rid_at + rid_bytes].tobytes().decode("utf-8", "replace")
+        return Sample(int(sample_id), input_ids, loss_mask, record_id)
 
 
 def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, tokenizer_hash: str,
@@ -185,34 +189,34 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
         if not reader.schema.equals(SCHEMA):
             return None
-        sizes = np.array([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)], dtype=np.int64)
-        if type(info["rows"]) is not int or sizes.sum() != info["rows"]:
+        rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        if type(info["rows"]) is not int or rows != info["rows"]:
             return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
-    index = _index(folder / f"{key}{INDEX_SUFFIX}", reader, info["rows"])
+    index = _index(folder / f"{key}{INDEX_SUFFIX}", path, info["rows"])
     if index is None:
         return None
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, dtype=np.int64)
-    return TokenizedData(path, index[0], index[1], starts, LoadedData([], **report))
+    return TokenizedData(path, index[0], index[1], index, LoadedData([], **report))
 
 
-def _index(path: Path, reader: pa.ipc.RecordBatchFileReader, rows: int) -> np.ndarray | None:
-    """The [2, rows] index of the Arrow file `reader` reads (sample ids, lengths), mapped from `path`;
-    written first if absent or not what it should be. None if the Arrow file does not read or its ids
-    do not increase."""
-    index = _load_index(path, rows)
+def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
+    """The index of the Arrow file `arrow` (INDEX_ROWS), mapped from `path`; written first if absent
+    or not what it should be. None if the Arrow file does not read or its ids do not increase."""
+    index = _load_index(path, rows, arrow.stat().st_size)
     if index is None:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, rows))
-            at = 0
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                n = batch.num_rows
-                out[0, at : at + n] = batch.column(0).to_numpy()
-                out[1, at : at + n] = np.diff(batch.column(1).offsets.to_numpy())
-                at += n
+            with pa.memory_map(str(arrow)) as source:
+                base = source.read_buffer(source.size()).address  # buffers read from the map lie at base + file offset
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(len(INDEX_ROWS), rows))
+                at = 0
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    out[:, at : at + batch.num_rows] = _batch_index(batch, base)
+                    at += batch.num_rows
             out.flush()
             del out
             with open(tmp, "rb") as f:
@@ -225,22 +229,42 @@ def _index(path: Path, reader: pa.ipc.RecordBatchFileReader, rows: int) -> np.nd
                                    "--tokenized-dir DIR") from None
         finally:
             tmp.unlink(missing_ok=True)
-        index = _load_index(path, rows)
+        index = _load_index(path, rows, arrow.stat().st_size)
     return index
 
 
-def _load_index(path: Path, rows: int) -> np.ndarray | None:
-    """The index at `path` mapped read-only, if it has the shape and type it should and its ids
-    increase (checked a chunk at a time); None otherwise. Never unpickled."""
+def _batch_index(batch: pa.RecordBatch, base: int) -> np.ndarray:
+    """INDEX_ROWS of a record batch's samples; `base`: the address of the file's first byte."""
+    ids, mask, record_ids = batch.column(1), batch.column(2), batch.column(3)
+    offsets = ids.offsets.to_numpy().astype(np.int64)
+    values = ids.values  # the list offsets index it from its own offset on
+    ids_at = values.buffers()[1].address - base + 4 * (values.offset + offsets[:-1])
+    mask_values = mask.values
+    mask_bit = 8 * (mask_values.buffers()[1].address - base) + mask_values.offset + mask.offsets.to_numpy()[:-1]
+    _, rid_offsets, rid_data = record_ids.buffers()
+    rid = np.frombuffer(rid_offsets, dtype=np.int32)[record_ids.offset : record_ids.offset + len(record_ids) + 1].astype(np.int64)
+    null = record_ids.is_null().to_numpy(zero_copy_only=False)
+    rid_at = np.where(null, -1, (rid_data.address - base if rid_data is not None else 0) + rid[:-1])
+    return np.stack([batch.column(0).to_numpy(), np.diff(offsets), ids_at, mask_bit, rid_at,
+                     np.where(null, 0, np.diff(rid))])
+
+
+def _load_index(path: Path, rows: int, file_bytes: int) -> np.ndarray | None:
+    """The index at `path` mapped read-only, if it has the shape and type it should, its ids
+    increase and every place it gives lies inside an Arrow file of `file_bytes` bytes (checked a
+    chunk at a time); None otherwise. Never unpickled."""
     try:
         index = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None
-    if index.dtype != np.dtype("<i8") or index.shape != (2, rows):
+    if index.dtype != np.dtype("<i8") or index.shape != (len(INDEX_ROWS), rows):
         return None
     for start in range(0, rows, CHUNK):
         ids = index[0, max(0, start - 1) : start + CHUNK]  # overlapping by one: every step checked
-        if np.any(np.diff(ids) <= 0) or index[1, start : start + CHUNK].min() < 1:
+        _, n, ids_at, mask_bit, rid_at, rid_bytes = np.asarray(index[:, start : start + CHUNK])
+        if (np.any(np.diff(ids) <= 0) or n.min() < 1 or ids_at.min() < 0 or np.any(ids_at % 4)
+                or (ids_at + 4 * n).max() > file_bytes or mask_bit.min() < 0 or (mask_bit + n).max() > 8 * file_bytes
+                or rid_bytes.min() < 0 or rid_at.min() < -1 or (rid_at + rid_bytes).max() > file_bytes):
             return None
     return index
 
