@@ -10,7 +10,7 @@ import pytest
 
 from dflash_cache.data.plan import Batches
 from dflash_cache.data.plan_file import kept_plan
-from dflash_cache.data.tokenized import tokenized_data
+from dflash_cache.data.tokenized import _batch_index, tokenized_data
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 
@@ -138,3 +138,14 @@ def test_the_index_is_made_when_missing_and_again_when_damaged(data_file, tokeni
         sample = store[sid]
         assert sample.input_ids.tolist() == table["input_ids"][row] and sample.loss_mask.tolist() == table["loss_mask"][row]
         assert sample.record_id == table["id"][row]
+
+
+def test_places_in_files_over_4_gb(data_file, tokenizer, tmp_path):
+    """The index's offsets past what Arrow's int32 offsets hold: as if the file's buffers lay 2**40 bytes in."""
+    data = load(data_file, tokenizer, tmp_path / "tok")
+    batch = pa.ipc.open_file(pa.memory_map(str(data.path))).get_batch(0)
+    near, far = _batch_index(batch, 0), _batch_index(batch, -(1 << 40))
+    assert np.array_equal(far[2] - near[2], np.full(batch.num_rows, 1 << 40))
+    assert np.array_equal(far[3] - near[3], np.full(batch.num_rows, 8 << 40))
+    has_id = near[4] >= 0
+    assert np.array_equal((far[4] - near[4])[has_id], np.full(has_id.sum(), 1 << 40)) and np.all(far[4][~has_id] == -1)

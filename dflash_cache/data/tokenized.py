@@ -234,13 +234,14 @@ def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
 
 
 def _batch_index(batch: pa.RecordBatch, base: int) -> np.ndarray:
-    """INDEX_ROWS of a record batch's samples; `base`: the address of the file's first byte."""
+    """INDEX_ROWS of a record batch's samples; `base`: the address of the file's first byte. (In
+    int64 throughout: Arrow's offsets are int32, places in a file of terabytes are not.)"""
     ids, mask, record_ids = batch.column(1), batch.column(2), batch.column(3)
     offsets = ids.offsets.to_numpy().astype(np.int64)
     values = ids.values  # the list offsets index it from its own offset on
     ids_at = values.buffers()[1].address - base + 4 * (values.offset + offsets[:-1])
     mask_values = mask.values
-    mask_bit = 8 * (mask_values.buffers()[1].address - base) + mask_values.offset + mask.offsets.to_numpy()[:-1]
+    mask_bit = 8 * (mask_values.buffers()[1].address - base) + mask_values.offset + mask.offsets.to_numpy().astype(np.int64)[:-1]
     _, rid_offsets, rid_data = record_ids.buffers()
     rid = np.frombuffer(rid_offsets, dtype=np.int32)[record_ids.offset : record_ids.offset + len(record_ids) + 1].astype(np.int64)
     null = record_ids.is_null().to_numpy(zero_copy_only=False)
