@@ -4,7 +4,7 @@ parse: blank lines skipped, a torn last line ignored, a torn middle line an erro
 import pytest
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.shard import parse_journal, read_journal
+from dflash_cache.store.shard import cut_torn_line, parse_journal, read_journal
 
 CASES = [
     ('{"a": 1}\n{"b": 2}\n', [{"a": 1}, {"b": 2}]),
@@ -31,3 +31,15 @@ def test_a_torn_middle_line_is_an_error(tmp_path):
     path.write_bytes(b'{"a": 1}\n\xff\n')
     with pytest.raises(DFlashCacheError, match="not UTF-8 text"):
         list(read_journal(path))
+
+
+@pytest.mark.parametrize("text", ["", "\n", '{"a": 1}\n', '{"a": 1}\n{"b": ', '{"a": 1}', "x" * 300, "a\n" + "y" * 250,
+                                  "a\nb\n" + "z" * 64 + "\n" + "w" * 129])
+def test_a_torn_line_is_found_from_the_end_a_block_at_a_time(tmp_path, text):
+    """cut_torn_line reads blocks from the end (here of 16 bytes, so a torn line spans several):
+    what is left is the text up to its last newline, as a whole read finds it."""
+    path = tmp_path / "r0.jsonl"
+    path.write_text(text)
+    whole = text[: text.rfind("\n") + 1]
+    assert cut_torn_line(path, block=16) == len(text) - len(whole)
+    assert path.read_text() == whole

@@ -119,3 +119,4 @@ def test_row_bits_against_a_set():
     assert bits.total(values) == sum(int(values[r]) for r in reference)
     with pytest.raises(ValueError):
         bits.add(np.array([1001]))
+

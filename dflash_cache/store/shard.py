@@ -273,17 +273,26 @@ def append_journal(path: Path, entry: dict) -> None:
         os.close(fd)
 
 
-def cut_torn_line(path: Path) -> int:
-    """Cut a journal back to its last whole line; returns the number of bytes cut (0: none torn)."""
+def cut_torn_line(path: Path, block: int = 1 << 16) -> int:
+    """Cut a journal back to its last whole line; returns the number of bytes cut (0: none torn).
+    Reads from the end, a block at a time: a journal of 100,000 shards is not read whole."""
     with open(path, "r+b") as f:
-        data = f.read()
-        whole = data.rfind(b"\n") + 1
-        if whole == len(data):
+        size = end = f.seek(0, os.SEEK_END)
+        whole = 0
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                whole = start + newline + 1
+                break
+            end = start
+        if whole == size:
             return 0
         f.truncate(whole)
         f.flush()
         os.fsync(f.fileno())
-    return len(data) - whole
+    return size - whole
 
 
 def read_journal(path: Path) -> Iterator[dict]:
