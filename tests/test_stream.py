@@ -143,6 +143,18 @@ def test_union_of_caches_from_different_data(tmp_path):
     assert torch.equal(batch.hidden, expected(caches, [4, 5, 6])["hidden"])
 
 
+def test_caches_batched_differently_train_together(tmp_path):
+    """Extractions that differ in --token-budget (and so in their packed rows or padded buckets) hold
+    the same kind of rows: FORMAT.md says they can be trained on together."""
+    a, b = random_spec(), random_spec()
+    a.update(token_budget=49152, batching={"layout": "PackedLayout", "row_tokens": 49152})
+    b.update(token_budget=4096, batching={"layout": "BucketLayout", "token_budget": 4096, "max_length": 4096},
+             data_hash="1" * 64)
+    write_random_cache(tmp_path / "a", LENGTHS[:5], a)
+    write_random_cache(tmp_path / "b", LENGTHS[5:], b, seed=1)
+    assert len(CacheSet([tmp_path / "a", tmp_path / "b"])) == len(LENGTHS)
+
+
 def test_union_needs_the_same_spec(tmp_path):
     a = cache_at(tmp_path / "a")
     b = cache_at(tmp_path / "b", layer_ids=(1, 4), codec="fp8-zstd")

@@ -18,7 +18,8 @@ from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from and how
 # they were batched.
-FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs", "token_budget", "format_version"}
+FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs", "token_budget", "batching",
+                    "format_version"}
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:
