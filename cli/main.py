@@ -3,6 +3,7 @@ calls the library and shows progress."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -42,6 +43,8 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Extract a target model's hidden states once; train DFlash drafters from the cache."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if debug:  # spawned extraction ranks print their tracebacks too (extract/pipeline.py)
+        os.environ["DFLASH_CACHE_DEBUG"] = "1"
 
 
 def _register() -> None:

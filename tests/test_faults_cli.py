@@ -154,9 +154,30 @@ def test_bad_data_leaves_an_existing_cache_untouched(setup, tmp_path):
     assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file() and "locks" not in p.parts} == before
 
 
-def test_debug_raises_with_the_traceback(setup, tmp_path):
+def test_debug_raises_with_the_traceback(setup, tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)  # --debug sets it; gone after this test
     _, target, data, _ = setup
     result = CliRunner().invoke(main, ["--debug", "extract", "--target", str(target), "--data", str(data),
                                        "--out", str(tmp_path / "out"), "--layers", "1,4", "--token-budget", "-5"])
     assert result.exit_code == 1 and isinstance(result.exception, DFlashCacheError)
     assert result.exc_info[2] is not None and "error:" not in result.stderr
+
+
+def test_debug_reaches_the_spawned_extraction_ranks(monkeypatch, capsys):
+    """--debug sets what a spawned rank reads, and a rank that fails then prints its traceback."""
+    import queue
+
+    from dflash_cache.extract import pipeline
+
+    monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)
+    CliRunner().invoke(main, ["--debug", "inspect", "--help"])
+
+    def fail(job, on_progress):
+        raise RuntimeError("boom in the rank")
+
+    monkeypatch.setattr(pipeline, "run_rank", fail)
+    events = queue.Queue()
+    pipeline._child(type("Job", (), {"rank": 1, "device": "cuda:1"})(), events)
+    assert events.get_nowait() == ("error", "rank 1 on cuda:1: RuntimeError: boom in the rank")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "boom in the rank" in err
