@@ -1,7 +1,7 @@
 """The warm-up of a hybrid target's extraction alone: compiling and autotuning its kernels, cold
 and then with the kernel cache it filled, each in a new process, as `extract` starts it.
 
-    PYTHONPATH=. python benchmarks/warmup.py [--layers-cut 16] [--row-tokens 49152] [--work DIR]
+    PYTHONPATH=. python benchmarks/warmup.py [--layers-cut 16] [--row-tokens 49152] [--work DIR] [--runs cold,warm]
 
 Only the target's config is written (the warm-up builds a random model of one layer of each kind
 of the target's shape); `start_background_warmup` then runs in a new process, first with an empty
@@ -26,12 +26,13 @@ def main() -> None:
     parser.add_argument("--layers-cut", type=int, default=16)
     parser.add_argument("--row-tokens", type=int, default=49152, help="extract's default --token-budget")
     parser.add_argument("--work", type=Path, default=Path("/tmp/warmup-bench"))
+    parser.add_argument("--runs", default="cold,warm", help="cold (an empty kernel cache), then warm (the cache it filled)")
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     target, kernels = args.work / "target", args.work / "kernels"
     config = target_config("qwen3.6-27b-cut", args.layers_cut)
     config.save_pretrained(target)
-    for run in ("cold", "warm"):
+    for run in args.runs.split(","):
         started = time.perf_counter()
         process = start_background_warmup(target, PackedLayout(args.row_tokens), "cuda", kernels, config)
         if process is None:
