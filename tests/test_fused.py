@@ -12,7 +12,7 @@ from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION
-from dflash_cache.extract.warmup import parallel_autotune
+from dflash_cache.extract.warmup import compile_all_kernels_at_once, parallel_autotune
 from tests.tiny import build_target
 
 QWEN3_5 = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -94,3 +94,46 @@ def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
         triton.knobs.runtime.jit_post_compile_hook = None
     torch.testing.assert_close(y, x * 2)
     assert len(compiled) == len(configs)  # each configuration compiled once, none twice
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_a_dry_forward_compiles_every_kernel_at_once_and_launches_none():
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128, 256) for w in (1, 2, 4)]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def double(x, y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + offs, tl.load(x + offs, mask=offs < n) * 2, mask=offs < n)
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def add_one(y, z, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(z + offs, tl.load(y + offs, mask=offs < n) + 1, mask=offs < n)
+
+    def forward(x, y, z):
+        grid = lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)  # noqa: E731
+        double[grid](x, y, x.numel())
+        add_one[grid](y, z, x.numel())
+
+    x = torch.randn(3000, device="cuda")
+    y, z = torch.full_like(x, -7.0), torch.full_like(x, -7.0)
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(1)
+    try:
+        with compile_all_kernels_at_once(4):
+            forward(x, y, z)
+        torch.cuda.synchronize()
+        assert len(compiled) == 2 * len(configs)  # every configuration of both kernels...
+        assert torch.all(y == -7) and torch.all(z == -7)  # ...and nothing launched
+        with parallel_autotune(4):
+            forward(x, y, z)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    torch.testing.assert_close(z, x * 2 + 1)
+    assert len(compiled) == 2 * len(configs)  # the timed forward compiled nothing again

@@ -11,8 +11,11 @@ the others find its kernels on disk, so five ranks never compile the same kernel
 Triton's autotuner compiles the configurations of a kernel one after the other, each before it is
 timed: most of a cold minute on a hybrid target. During the warm-up each autotuner first compiles
 all its configurations at once on a pool of threads (Triton's asynchronous compile mode), then
-times each for 30 ms instead of 125. On an H200 the threads compiled about 2.5x faster than one
-(BENCHMARKS.md, session 5), not 16x: much of a compile seems to hold the GIL.
+times each for 30 ms instead of 125. On an H200 that compiled about 2.5x faster than one thread
+(BENCHMARKS.md, session 5), not 16x, and slice processes did no better (session 6): kernels still
+compiled one after the other, each timed before the forward went on. So the side process below
+first runs a dry forward in which no autotuned kernel launches and every kernel's configurations
+compile together (`compile_all_kernels_at_once`), then the forward that times them.
 
 Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
 take about a minute to compile and autotune from an empty cache, `start_background_warmup` runs the
@@ -103,6 +106,35 @@ def parallel_autotune(threads: int) -> Iterator[None]:
 BENCH_WARMUP_MS, BENCH_REP_MS = 5, 25
 
 
+@contextmanager
+def compile_all_kernels_at_once(threads: int) -> Iterator[None]:
+    """While active, a forward launches no autotuned Triton kernel: each autotuner hands the
+    compilation of all its configurations to one pool of `threads` and returns; leaving waits for
+    all of them. Under `parallel_autotune` alone a kernel's configurations compile together, but
+    kernel after kernel, since each is timed before the forward goes on; this lets every kernel of
+    the forward compile at once. The forward's outputs are garbage (the next forward times the
+    compiled configurations); shapes and sample boundaries come from the inputs, not from kernel
+    outputs, so the dry forward reaches the kernels, and the specialisations, of a real one."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield
+        return
+    run = Autotuner.run
+
+    def submit_only(self, *args, **kwargs):
+        self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):  # a configuration that fails is timed as failing later
+            Autotuner.run = submit_only
+            try:
+                yield
+            finally:
+                Autotuner.run = run
+
+
 def compile_threads() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0))))
 
@@ -145,6 +177,16 @@ def _warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_
     model.eval().requires_grad_(False)
     small = Target(path=Path(target_path), model=model, tokenizer=None, config=config, num_layers=len(kinds),
                    hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash="")
-    seconds = warm_up(TargetRunner(small, [0]), layout, device, folder)
-    print(f"kernels compiled and autotuned ahead, on a {len(kinds)}-layer model of the target's shape: {seconds:.1f} s",
-          file=sys.stderr, flush=True)
+    runner, samples = TargetRunner(small, [0]), layout.warmup_samples()
+    with node_lock(folder):
+        started = time.perf_counter()
+        with compile_all_kernels_at_once(compile_threads()):
+            runner.run_batch(layout.build(samples, device))
+        torch.cuda.synchronize(device)
+        compiled = time.perf_counter() - started
+        with parallel_autotune(compile_threads()):  # compiles nothing new: times them
+            runner.run_batch(layout.build(samples, device))
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+    print(f"kernels compiled and autotuned ahead, on a {len(kinds)}-layer model of the target's shape: {seconds:.1f} s "
+          f"({compiled:.1f} s compiling every kernel at once, {seconds - compiled:.1f} s timing)", file=sys.stderr, flush=True)
