@@ -69,36 +69,8 @@ def test_fused_packed_rows_match_hf_modules(hybrid_dir):
                                        alone.hidden_states[layer + 1][0].float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.own_autotuning
-def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
-    import triton
-    import triton.language as tl
-
-    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128, 256) for w in (1, 2, 4)]
-
-    @triton.autotune(configs=configs, key=["n"])
-    @triton.jit
-    def double(x, y, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y + offs, tl.load(x + offs, mask=offs < n) * 2, mask=offs < n)
-
-    x = torch.arange(1000, device="cuda", dtype=torch.float32)
-    y = torch.empty_like(x)
-    compiled = []
-    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(1)
-    try:
-        with parallel_autotune(4):
-            double[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
-    torch.testing.assert_close(y, x * 2)
-    assert len(compiled) == len(configs)  # each configuration compiled once, none twice
-
-
-@pytest.mark.gpu
-@pytest.mark.own_autotuning
-def test_a_dry_forward_compiles_every_kernel_at_once_and_launches_none():
+def _autotuned_kernels():
+    """Two chained elementwise kernels, each with 9 configurations: (y = 2x, z = y + 1)."""
     import triton
     import triton.language as tl
 
@@ -116,24 +88,63 @@ def test_a_dry_forward_compiles_every_kernel_at_once_and_launches_none():
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(z + offs, tl.load(y + offs, mask=offs < n) + 1, mask=offs < n)
 
-    def forward(x, y, z):
-        grid = lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)  # noqa: E731
-        double[grid](x, y, x.numel())
-        add_one[grid](y, z, x.numel())
+    def grid(meta, n):
+        return (triton.cdiv(n, meta["BLOCK"]),)
 
-    x = torch.randn(3000, device="cuda")
-    y, z = torch.full_like(x, -7.0), torch.full_like(x, -7.0)
+    def launch_double(x, y):
+        double[lambda meta: grid(meta, x.numel())](x, y, x.numel())
+
+    def launch_both(x, y, z):
+        launch_double(x, y)
+        add_one[lambda meta: grid(meta, x.numel())](y, z, x.numel())
+
+    return len(configs), launch_double, launch_both
+
+
+def _count_compiles():
+    import triton
+
     compiled = []
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(1)
+    return compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
+    import triton
+
+    configs, launch_double, _ = _autotuned_kernels()
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    compiled = _count_compiles()
+    try:
+        with parallel_autotune(4):
+            launch_double(x, y)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    torch.testing.assert_close(y, x * 2)
+    assert len(compiled) == configs  # each configuration compiled once, none twice
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_a_dry_forward_compiles_every_kernel_at_once_and_launches_none():
+    import triton
+
+    configs, _, forward = _autotuned_kernels()
+    x = torch.randn(3000, device="cuda")
+    y, z = torch.full_like(x, -7.0), torch.full_like(x, -7.0)
+    compiled = _count_compiles()
     try:
         with compile_all_kernels_at_once(4):
             forward(x, y, z)
         torch.cuda.synchronize()
-        assert len(compiled) == 2 * len(configs)  # every configuration of both kernels...
+        assert len(compiled) == 2 * configs  # every configuration of both kernels...
         assert torch.all(y == -7) and torch.all(z == -7)  # ...and nothing launched
         with parallel_autotune(4):
             forward(x, y, z)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = None
     torch.testing.assert_close(z, x * 2 + 1)
-    assert len(compiled) == 2 * len(configs)  # the timed forward compiled nothing again
+    assert len(compiled) == 2 * configs  # the timed forward compiled nothing again
