@@ -11,11 +11,12 @@ the others find its kernels on disk, so five ranks never compile the same kernel
 Triton's autotuner compiles the configurations of a kernel one after the other, each before it is
 timed: most of a cold minute on a hybrid target. During the warm-up each autotuner first compiles
 all its configurations at once on a pool of threads (Triton's asynchronous compile mode), then
-times each for 30 ms instead of 125. On an H200 that compiled about 2.5x faster than one thread
-(BENCHMARKS.md, session 5), not 16x, and slice processes did no better (session 6): kernels still
-compiled one after the other, each timed before the forward went on. So the side process below
-first runs a dry forward in which no autotuned kernel launches and every kernel's configurations
-compile together (`compile_all_kernels_at_once`), then the forward that times them.
+times each for 30 ms instead of 125. That still compiles kernel after kernel, since each kernel is
+timed before the forward goes on. So the side process below first runs a dry forward in which no
+autotuned kernel launches and the configurations of every kernel compile together on one pool
+(`compile_all_kernels_at_once`), then the forward that times them: on an H200, 25.6 s for the
+whole warm-up against 38.9 s kernel after kernel (BENCHMARKS.md, session 7). Compiling in a pool
+of processes instead of threads did no better there.
 
 Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
 take about a minute to compile and autotune from an empty cache, `start_background_warmup` runs the
