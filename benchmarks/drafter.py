@@ -5,9 +5,11 @@
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
 attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0, fused AdamW.
-Batches are synthetic and shaped like the peer's (../shared/peer): packed samples of 1000-4000 tokens
-up to --tokens, the first 10-30% of each sample outside the loss mask, --anchors anchors per batch,
-random hidden states and token ids; two different batches alternate.
+Batches are the peer's own two (../shared/peer; `peer_batches`): packed samples of 1000-4000 tokens
+up to --tokens, the first 10-30% of each sample outside the loss mask, random hidden states and
+token ids, the same samples as the peer draws; --anchors anchors per batch; the two alternate.
+tokens/s counts the batches' real tokens, to be set beside the peer's real_tokens_per_s (its
+tokens_per_s counts the padding to T as well).
 
 MFU counts the useful matmul and attention FLOPs of a step (the same terms as the peer's script,
 minus its second LM-head pass, which this drafter does not make because the cache stores the
@@ -35,8 +37,19 @@ from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 
 
-def synthetic_batch(config, tokens: int, seed: int, device: str) -> FeatureBatch:
-    g = torch.Generator().manual_seed(seed)
+PEER_SEED = 1234  # ../shared/peer/speculators_dflash_step.py's generator seed
+
+
+def peer_batches(config, tokens: int, device: str, count: int = 2) -> list[FeatureBatch]:
+    """The peer's batches, sample for sample: its packing (whole samples of 1000-4000 tokens while
+    they fit in `tokens`; the first 10-30% of each outside the loss mask) and its random hidden states
+    and token ids, drawn from one generator with its seed in its order, its verifier states included
+    so that the next batch draws the same. Token counts per step then match the peer's exactly."""
+    g, targets = torch.Generator().manual_seed(PEER_SEED), torch.Generator().manual_seed(PEER_SEED + 1)
+    return [_peer_batch(config, tokens, g, targets).to(device) for _ in range(count)]
+
+
+def _peer_batch(config, tokens: int, g: torch.Generator, targets: torch.Generator) -> FeatureBatch:
     lengths, total = [], 0
     while True:
         n = int(torch.randint(1000, 4001, (1,), generator=g))
@@ -44,21 +57,24 @@ def synthetic_batch(config, tokens: int, seed: int, device: str) -> FeatureBatch
             break
         lengths.append(n)
         total += n
+    if not lengths:
+        lengths, total = [tokens], tokens
     mask = torch.zeros(total, dtype=torch.bool)
     start = 0
     for n in lengths:
         prompt = int(n * (0.1 + 0.2 * float(torch.rand(1, generator=g))))
         mask[start + prompt : start + n] = True
         start += n
-    width = len(config.target_layer_ids) * config.target_hidden_size
+    hidden = torch.randn(total, len(config.target_layer_ids) * config.target_hidden_size, generator=g).bfloat16()
+    torch.randn(total, config.target_hidden_size, generator=g)  # the peer's verifier states: drawn, not used
     return FeatureBatch(
         sample_ids=list(range(len(lengths))),
         input_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=g),
         loss_mask=mask,
-        target_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=g),
-        hidden=torch.randn(total, width, generator=g).bfloat16(),
+        target_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=targets),
+        hidden=hidden,
         cu_seqlens=torch.tensor([0] + lengths).cumsum(0).int(),
-    ).to(device)
+    )
 
 
 def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
@@ -108,7 +124,7 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
 def run_mode(mode: str, args, config, device: str) -> dict:
     model, optimizer = random_drafter(config, device)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
-    batches = [synthetic_batch(config, args.tokens, seed, device) for seed in (1, 2)]
+    batches = peer_batches(config, args.tokens, device)
     g = torch.Generator(device=device).manual_seed(0)
     anchors = [sample_anchors(batch, config.block_size, args.anchors, g, max_total=args.anchors) for batch in batches]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.drafter import random_drafter, synthetic_batch, train_step
+from benchmarks.drafter import peer_batches, random_drafter, train_step
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.drafter.anchors import sample_anchors
@@ -163,7 +163,7 @@ def main() -> None:
     small_step = make_step(small, device)
     # One batch's worth of random tensors on the device; each step takes a prefix of random length
     # and its own sample boundaries, so every step has a new shape.
-    pool = synthetic_batch(small, args.tokens, seed=0, device=device)
+    pool = peer_batches(small, args.tokens, device, count=1)[0]
     peaks = {}
     g = torch.Generator().manual_seed(1)
     if device == "cuda":
