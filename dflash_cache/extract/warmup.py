@@ -178,15 +178,15 @@ def _warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_
     model.eval().requires_grad_(False)
     small = Target(path=Path(target_path), model=model, tokenizer=None, config=config, num_layers=len(kinds),
                    hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash="")
-    runner, samples = TargetRunner(small, [0]), layout.warmup_samples()
+    runner, batch, threads = TargetRunner(small, [0]), layout.build(layout.warmup_samples(), device), compile_threads()
     with node_lock(folder):
         started = time.perf_counter()
-        with compile_all_kernels_at_once(compile_threads()):
-            runner.run_batch(layout.build(samples, device))
+        with compile_all_kernels_at_once(threads):
+            runner.run_batch(batch)
         torch.cuda.synchronize(device)
         compiled = time.perf_counter() - started
-        with parallel_autotune(compile_threads()):  # compiles nothing new: times them
-            runner.run_batch(layout.build(samples, device))
+        with parallel_autotune(threads):  # compiles nothing new: times them
+            runner.run_batch(batch)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - started
     print(f"kernels compiled and autotuned ahead, on a {len(kinds)}-layer model of the target's shape: {seconds:.1f} s "
