@@ -154,6 +154,22 @@ def test_bad_data_leaves_an_existing_cache_untouched(setup, tmp_path):
     assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file() and "locks" not in p.parts} == before
 
 
+def test_extract_into_a_folder_that_holds_something_else_is_refused(setup, tmp_path):
+    """A mistyped --out (a folder of notes, a training run) must not get a cache mixed into it."""
+    _, target, data, _ = setup
+    notes, run = tmp_path / "notes", tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine\n")
+    for folder, first in ((notes, "todo.txt"), (run, "checkpoints")):
+        before = sorted(p.name for p in folder.iterdir())
+        code, err = cli("extract", "--target", target, "--data", data, "--out", folder, "--layers", "1,4")
+        one_line_error(code, err, f"--out {folder} holds files that are not part of a cache ({first}",
+                       "choose a new or empty folder")
+        assert sorted(p.name for p in folder.iterdir()) == before  # no locks/, nothing written
+
+
 def test_debug_raises_with_the_traceback(setup, tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)  # --debug sets it; gone after this test
     _, target, data, _ = setup
