@@ -7,7 +7,7 @@ from dflash_cache.choices import EXPORT_DTYPES
 
 @click.command("export")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for config.json and model.safetensors.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for config.json and model.safetensors: new, empty, or an earlier export (replaced).")
 @click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="bfloat16", show_default=True, help="Weight dtype of the export.")
 def command(checkpoint: Path, out: Path, dtype: str) -> None:
     """Write a drafter CHECKPOINT (a `train` checkpoint directory, or a run folder: its newest checkpoint)
@@ -18,7 +18,9 @@ def command(checkpoint: Path, out: Path, dtype: str) -> None:
     """
     from dflash_cache.drafter.export import export_checkpoint
     from dflash_cache.eval.drafters import checkpoint_of
+    from dflash_cache.export_out import check_export_out
 
     checkpoint = checkpoint_of(checkpoint)
+    replacing = check_export_out(out)
     export_checkpoint(checkpoint, out, dtype)
-    click.echo(f"exported {checkpoint} -> {out} ({dtype})")
+    click.echo(f"exported {checkpoint} -> {out} ({dtype})" + (", replacing the export that was there" if replacing else ""))

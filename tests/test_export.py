@@ -135,3 +135,26 @@ def test_export_command(exported, tmp_path):
 
     result = CliRunner().invoke(main, ["export", str(tmp_path), "--out", str(tmp_path / "x")])
     assert result.exit_code == 1 and "not a drafter checkpoint" in result.output
+
+
+def test_export_into_a_folder_that_holds_something_else_is_refused(tmp_path):
+    """A mistyped --out (a cache, a run, any folder of files) gets no export mixed into it or written
+    over its files; an earlier export is replaced."""
+    from tests.test_drafter_helpers import random_head, tiny_config
+
+    save_drafter(DFlashDrafter(tiny_config(), random_head(), tile=16), tmp_path / "checkpoint")
+    cache = tmp_path / "cache"
+    (cache / "shards").mkdir(parents=True)
+    (cache / "config.json").write_text('{"mine": 1}\n')
+    (cache / "manifest.json").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in cache.iterdir() if p.is_file()}
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(cache)])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert f"--out {cache} holds files that are not an export's (manifest.json, shards); choose a new or empty folder" in result.stderr
+    assert {p.name: p.read_bytes() for p in cache.iterdir() if p.is_file()} == before
+
+    first = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e")])
+    assert first.exit_code == 0 and "replacing" not in first.output, first.output
+    again = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e"), "--dtype", "float32"])
+    assert again.exit_code == 0 and "replacing the export that was there" in again.output, again.output
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "e" / "model.safetensors").values())
