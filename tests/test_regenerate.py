@@ -272,6 +272,30 @@ def test_kill_9_part_way_then_rerun_gives_the_uninterrupted_file(tmp_path, trans
     assert set(lines) == set(whole.read_text().splitlines())
 
 
+@pytest.mark.slow
+def test_ctrl_c_of_the_in_process_target_is_one_line_and_exit_130(tmp_path):
+    """SIGINT while a replica thread is generating: `error: interrupted`, exit 130 (it aborted with
+    "terminate called without an active exception", exit 134); the rerun does the rest."""
+    data = write_jsonl(tmp_path / "data.jsonl", _bundled(list(range(1, 41))))
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "dflash_cache_cli.main", "regenerate", "--data", str(data), "--out", str(out),
+               "--target", str(TARGET), "--max-tokens", "64"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's & ignores it
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be interrupted"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.endswith("error: interrupted\n"), (proc.returncode, err)
+    written = out.read_bytes().count(b"\n")
+    assert 2 <= written < 40
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and f"({written} already in the output)" in rerun.stderr, rerun.stderr
+    assert len({json.loads(line)["source"] for line in out.read_text().splitlines()}) == 40
+
+
 def test_requests_carry_tool_call_arguments_as_json_text(tmp_path):
     """The OpenAI API takes arguments as a string; the reader hands templates an object."""
     import json as _json

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.extract.info import read_target_info
@@ -35,9 +35,20 @@ def _response_template(tokenizer, model) -> dict | None:
     return get_response_template(tokenizer, model)
 
 
+class _Stopped(StoppingCriteria):
+    """Ends a generation part-way once the run stops, so its thread can be joined."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 class _Replica:
-    def __init__(self, path: Path, device: str):
+    def __init__(self, path: Path, device: str, stop: threading.Event):
         self.device = device
+        self.stop = stop
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
         self.template = _response_template(self.tokenizer, self.model)
@@ -54,7 +65,7 @@ class _Replica:
             config.temperature = settings.temperature
         prompt = inputs["input_ids"].to(self.device)
         output = self.model.generate(input_ids=prompt, attention_mask=inputs["attention_mask"].to(self.device),
-                                     generation_config=config)
+                                     generation_config=config, stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
         generated = output[0, prompt.shape[1]:].tolist()
         content, reasoning, tool_calls = self._parse(generated, prompt[0].tolist())
         finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
@@ -78,15 +89,23 @@ class LocalTarget:
         self.name = str(path)
         info = read_target_info(path)
         self._queue: queue.Queue = queue.Queue()
-        self._replicas = [_Replica(info.path, device) for device in devices]
-        for replica in self._replicas:
-            threading.Thread(target=self._serve, args=(replica,), name=f"regenerate-{replica.device}", daemon=True).start()
+        self._stop = threading.Event()
+        self._replicas = [_Replica(info.path, device, self._stop) for device in devices]
+        self._threads = [threading.Thread(target=self._serve, args=(replica,), name=f"regenerate-{replica.device}", daemon=True)
+                         for replica in self._replicas]
+        for thread in self._threads:
+            thread.start()
 
     def _serve(self, replica: _Replica) -> None:
-        while True:
-            messages, settings, future = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            messages, settings, future = item
             try:
-                future.set_result(replica.generate(messages, settings, self.name))
+                completion = None if self._stop.is_set() else replica.generate(messages, settings, self.name)
+                if self._stop.is_set():  # cut short or never started: not an answer
+                    raise RequestFailed(f"{replica.device}: the run was stopped")
+                future.set_result(completion)
+            except RequestFailed as e:
+                future.set_exception(e)
             except (DFlashCacheError, ValueError, TypeError, RuntimeError) as e:  # this conversation's problem
                 future.set_exception(RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}"))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting request, never lost with the thread
@@ -98,4 +117,10 @@ class LocalTarget:
         return future.result()
 
     def close(self) -> None:
-        pass  # the replica threads are daemons and idle on the queue
+        # A thread left generating when the interpreter exits aborts the process (a C++ "terminate
+        # called without an active exception" on Ctrl-C): stop the generations and join the threads.
+        self._stop.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
