@@ -100,6 +100,37 @@ def test_output_cuts_a_torn_line_and_refuses_other_settings(tmp_path):
         ResponsesFile(path, settings)
 
 
+def test_a_second_run_into_one_output_is_refused_while_the_first_writes(tmp_path):
+    """Two runs into one --out both asked for every record and wrote each one twice, which the
+    next rerun then refused ("repeats source")."""
+    settings = GenerationSettings(max_tokens=8)
+    data = write_jsonl(tmp_path / "data.jsonl", [conversation("q", "old")])
+    path = tmp_path / "out.jsonl"
+    with ResponsesFile(path, settings) as first:
+        first.append(_record("elsewhere.jsonl:1", settings))
+        result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(path), "--max-tokens", "8",
+                                           "--server", f"http://127.0.0.1:{free_port()}"])
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+        assert f"error: {path} is being written by another regenerate run; wait for it or stop it first" in result.stderr
+    assert path.read_text().count("\n") == 1
+    with ResponsesFile(path, settings) as again:  # free once the first is closed
+        assert again.done == {"elsewhere.jsonl:1"}
+
+
+def test_a_run_that_fails_before_writing_leaves_no_output_file(tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", [conversation("q", "old")])
+    dead = f"http://127.0.0.1:{free_port()}"
+    for target in (["--server", dead], ["--target", str(tmp_path / "no-such-model")]):
+        result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), *target])
+        assert result.exit_code == 1 and not (tmp_path / "o.jsonl").exists(), result.output
+    settings = GenerationSettings()
+    with ResponsesFile(tmp_path / "kept.jsonl", settings) as out:
+        out.append(_record("elsewhere.jsonl:1", settings))
+    before = (tmp_path / "kept.jsonl").read_bytes()
+    result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "kept.jsonl"), "--server", dead])
+    assert result.exit_code == 1 and (tmp_path / "kept.jsonl").read_bytes() == before
+
+
 def test_settings_are_checked():
     with pytest.raises(DFlashCacheError, match="contradicts enable_thinking=True"):
         GenerationSettings(reasoning="off", chat_template_kwargs={"enable_thinking": True})

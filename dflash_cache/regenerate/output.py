@@ -3,11 +3,14 @@
 A record is appended as one write of one complete line, then flushed to disk (fsync), so a crash
 leaves at most one torn line, at the end; reopening cuts it off (its record is asked for again).
 Every record names its source (`file:line`), so a rerun skips the sources already written and never
-writes one twice. A resumed run must use the settings the file was written with.
+writes one twice. A resumed run must use the settings the file was written with. One run at a time:
+the file is flocked while open (released when the process ends, even by SIGKILL), so a second run
+into it is refused instead of asking for every record again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -22,11 +25,31 @@ class ResponsesFile:
         self.done: set[str] = set()  # sources already written
         self.model: str | None = None  # the model that wrote the existing records
         self.cut_bytes = 0  # size of a torn last line removed on opening
-        if self.path.exists():
-            self._resume(settings)
-        else:
+        self.created = not self.path.exists()  # then a run that wrote nothing removes it on closing
+        if self.created:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = self._open_locked()
+        try:
+            self._resume(settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_locked(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DFlashCacheError(f"{self.path} is being written by another regenerate run; "
+                                       "wait for it or stop it first") from None
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the file was removed (by a run that wrote nothing) while this one waited: open it again
 
     def _resume(self, settings: GenerationSettings) -> None:
         data = self.path.read_bytes()
@@ -66,6 +89,8 @@ class ResponsesFile:
 
     def close(self) -> None:
         if self._fd >= 0:
+            if self.created and os.fstat(self._fd).st_size == 0:
+                self.path.unlink(missing_ok=True)  # under the lock: nothing half-made is left behind
             os.close(self._fd)
             self._fd = -1
 
