@@ -61,6 +61,18 @@ def test_bad_caches(tmp_path, setup):
     assert not any((tmp_path / name).exists() for name in "abcd")  # no run folder made for bad input
 
 
+def test_a_cache_given_twice_is_refused(tmp_path, setup):
+    """`--cache C --cache C` (or `./C`, or a copy of C) trained on every sample twice."""
+    import shutil
+
+    cache, drafter = setup
+    shutil.copytree(cache, tmp_path / "copy")
+    for second, out in ((cache, "a"), (f"{cache}/.", "b"), (tmp_path / "copy", "c")):
+        one_line_error(*run(*options(cache, drafter, tmp_path / out, "--cache", second)), "sample 0 is in both",
+                       "(same data source); give each cache once")
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
 def test_drafter_config_that_does_not_fit_the_cache(tmp_path, setup):
     cache, _ = setup
     layers = drafter_json(tmp_path / "layers.json", target_layer_ids=[1, 4])

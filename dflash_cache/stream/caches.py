@@ -63,14 +63,14 @@ class CacheSet:
 
     def _check_disjoint(self) -> None:
         """Caches of one data source must not share sample ids: that would train on a sample twice."""
-        seen: dict[tuple[str, int], Path] = {}
-        for cache in self.caches:
+        seen: dict[tuple[str, int], int] = {}
+        for c, cache in enumerate(self.caches):  # by position: the same folder given twice is two of them
             source = cache.spec.get("data_hash", "")
             for sid in cache.lengths():
-                other = seen.setdefault((source, sid), cache.root)
-                if other != cache.root:
-                    raise DFlashCacheError(
-                        f"sample {sid} is in both {other} and {cache.root} (same data source); give each cache once")
+                other = seen.setdefault((source, sid), c)
+                if other != c:
+                    raise DFlashCacheError(f"sample {sid} is in both {self.caches[other].root} and {cache.root} "
+                                           "(same data source); give each cache once")
 
     def __len__(self) -> int:
         return len(self.entries)
