@@ -170,6 +170,15 @@ def test_extract_into_a_folder_that_holds_something_else_is_refused(setup, tmp_p
         assert sorted(p.name for p in folder.iterdir()) == before  # no locks/, nothing written
 
 
+def test_a_data_file_given_twice_is_refused(setup, tmp_path, monkeypatch):
+    """`--data d.jsonl --data ./d.jsonl` extracted every record twice (as regenerate refuses)."""
+    _, target, data, _ = setup
+    monkeypatch.chdir(data.parent)
+    code, err = cli("extract", "--target", target, "--data", data, "--data", f"./{data.name}", "--out", tmp_path / "out")
+    one_line_error(code, err, f"--data {data.name} is given twice (it is {data}); give each file once")
+    assert not (tmp_path / "out").exists()
+
+
 def test_debug_raises_with_the_traceback(setup, tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)  # --debug sets it; gone after this test
     _, target, data, _ = setup

@@ -126,8 +126,11 @@ def _check_options(opts: ExtractOptions) -> None:
         raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
     if opts.on_bad_record not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-record must be error or skip, got {opts.on_bad_record!r}")
+    seen: dict[Path, str | Path] = {}
     for path in opts.data:
         check_data_file(path)
+        if (first := seen.setdefault(Path(path).resolve(), path)) is not path:
+            raise DFlashCacheError(f"--data {path} is given twice (it is {first}); give each file once")
 
 
 CACHE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", TARGET_DIR, SHARD_DIR, JOURNAL_DIR, LOCK_DIR}
