@@ -24,13 +24,13 @@ def progress(bar: tqdm):
               help="Held-out conversations (or pre-tokenized records): each one's prompt is everything before its "
                    "first assistant turn. Repeatable.")
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt. Default: 128 on a GPU, 64 on the CPU.")
-@click.option("--num-prompts", type=int, help="Prompts to decode (0: every one). Default: 16 on a GPU, 8 on the CPU.")
+@click.option("--num-prompts", type=click.IntRange(min=0), help="Prompts to decode (0: every one). Default: 16 on a GPU, 8 on the CPU.")
 @click.option("--dtype", type=click.Choice(TARGET_DTYPES), default="float32", show_default=True,
               help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
 @click.option("--cache", "caches", multiple=True,
               help="Instead of --target: tau offline from this cache's hidden states (a folder or an fsspec URL), "
                    "as training evaluates it.")
-@click.option("--eval-fraction", type=float,
+@click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True),
               help="With --cache: only the samples a training run with this --eval-fraction holds out (0: all). "
                    "Default: the drafter's own run's held-out split (all samples for an export).")
 @click.option("--token-budget", type=int,

@@ -161,3 +161,29 @@ def test_cli(qwen3_target_dir, conversations, tmp_path):
     result = runner.invoke(main, ["eval", "--drafter", str(tmp_path), "--target", str(qwen3_target_dir),
                                   "--data", str(conversations)])
     assert result.exit_code == 1 and result.output.count("\n") == 1 and "holds no drafter" in result.output
+
+
+@pytest.mark.parametrize("options, message, exit_code", [
+    (["--num-prompts", "-1"], "Invalid value for '--num-prompts': -1 is not in the range x>=0", 2),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda or cuda:N)", 1),
+    (["--device", "cuda:7"], "--device cuda:7: there is no such GPU (this machine shows", 1),
+])
+def test_eval_target_options_out_of_range(qwen3_target_dir, conversations, tmp_path, options, message, exit_code):
+    """Each was accepted (a negative --num-prompts as 'every one') or ended in a bare AssertionError
+    ('Torch not compiled with CUDA enabled') after the target was loaded."""
+    if "cuda:7" in options and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
+    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), "--target", str(qwen3_target_dir),
+                                       "--data", str(conversations), "--max-new-tokens", "2", *options])
+    assert result.exit_code == exit_code and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("fraction", ["1", "2", "-0.5"])
+def test_eval_cache_refuses_an_eval_fraction_out_of_range(tmp_path, fraction):
+    """`eval --cache --eval-fraction 2` scored every sample and called it a held-out split."""
+    cache = make_cache(tmp_path / "cache")
+    result = CliRunner().invoke(main, ["eval", "--drafter", str(tmp_path / "never-read"), "--cache", str(cache), "--eval-fraction", fraction])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert f"Invalid value for '--eval-fraction': {float(fraction)} is not in the range 0<=x<1" in result.stderr

@@ -117,7 +117,19 @@ def stop_ids(target: Target) -> set[int]:
 
 
 def default_device(device: str | None) -> torch.device:
-    return torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    """`--device`, checked before anything is loaded; None: cuda:0 when there is a GPU, else the CPU."""
+    if device is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise DFlashCacheError(f"--device {device!r} is not a device (cpu, cuda or cuda:N)") from None
+    if chosen.type == "cuda" and (chosen.index or 0) >= torch.cuda.device_count():
+        raise DFlashCacheError(f"--device {device}: there is no such GPU (this machine shows "
+                               f"{torch.cuda.device_count()} GPU(s)); pick one of those or cpu")
+    if chosen.type not in ("cpu", "cuda"):
+        raise DFlashCacheError(f"--device {device!r} is not a device (cpu, cuda or cuda:N)")
+    return chosen
 
 
 def evaluate_speculative(
