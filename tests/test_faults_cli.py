@@ -50,6 +50,7 @@ def one_line_error(code, err, *needles, exit_code=1):
     (["--layers", "1,4", "--shard-size", 0], "Invalid value for --shard-size: must be positive", 2),
     (["--layers", "1,4", "--tokenize-workers", -1], "'--tokenize-workers': -1 is not in the range x>=0", 2),
     (["--layers", "1,4", "--codec", "zip"], "'--codec': 'zip' is not one of", 2),
+    (["--layers", "1,4", "--staging", "staged"], "--staging applies only with a URL --out", 1),  # was ignored
 ])
 def test_extract_options_out_of_range(setup, tmp_path, options, message, exit_code):
     _, target, data, _ = setup
@@ -68,6 +69,7 @@ def test_extract_options_out_of_range(setup, tmp_path, options, message, exit_co
     (["--collective-timeout", 0], "--collective-timeout must be positive"),
     (["--gpus", ""], "--gpus is empty"),
     (["--steps", -3], "--steps must be at least 1"),
+    (["--local-cache", "fetched"], "--local-cache applies only with a remote --cache"),  # was ignored
 ])
 def test_train_options_out_of_range(tmp_path, options, message):
     cache, drafter = make_cache(tmp_path / "cache"), drafter_json(tmp_path / "drafter.json")

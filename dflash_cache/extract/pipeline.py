@@ -126,6 +126,8 @@ def _check_options(opts: ExtractOptions) -> None:
         raise DFlashCacheError(f"--on-bad-sample must be error or skip, got {opts.on_bad_sample!r}")
     if opts.on_bad_record not in ("error", "skip"):
         raise DFlashCacheError(f"--on-bad-record must be error or skip, got {opts.on_bad_record!r}")
+    if opts.staging is not None and not is_remote(opts.out):
+        raise DFlashCacheError("--staging applies only with a URL --out (s3://...); a local --out is written in place")
     seen: dict[Path, str | Path] = {}
     for path in opts.data:
         check_data_file(path)

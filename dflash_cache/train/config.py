@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
+from dflash_cache.store.remote import is_remote
 
 
 @dataclass
@@ -110,6 +111,9 @@ class TrainConfig:
                          "target_gpus": self.target_gpus, "exact_target": self.exact_target}
             if given := [name for name, value in live_only.items() if value]:
                 raise DFlashCacheError(f"--{given[0].replace('_', '-')} applies only with --live-target")
+            if self.local_cache is not None and not any(is_remote(c) for c in self.caches):
+                raise DFlashCacheError("--local-cache applies only with a remote --cache (s3://...); "
+                                       "a local cache is read in place")
             return
         if not self.data:
             raise DFlashCacheError("--live-target needs --data FILE: the samples the target runs over")
