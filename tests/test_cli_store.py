@@ -37,3 +37,22 @@ def test_errors_are_one_line_without_traceback(tmp_path):
 
     code, out = run("verify", tmp_path / "missing")
     assert code == 1 and "no such cache" in out
+
+
+def test_a_folder_that_is_no_cache_is_not_called_incomplete(tmp_path):
+    """A training run or an export given as a cache was "incomplete (rerun the same extract command
+    to finish it)": advice that cannot work for a folder extract never wrote."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    for command in (["inspect", run_dir], ["verify", run_dir],
+                    ["train", "--cache", run_dir, "--out", tmp_path / "new", "--steps", 1]):
+        code, out = run(*command)
+        assert code == 1 and out.count("\n") == 1, out
+        assert f"error: {run_dir} is not a cache (it has no manifest.json and no journal/); give a folder that " \
+               "`dflash-cache extract` wrote" in out, out
+    assert not (tmp_path / "new").exists()
+    write_random_cache(tmp_path / "cut", [5, 9])
+    (tmp_path / "cut" / "manifest.json").unlink()  # journals but no manifest: an extraction to finish
+    code, out = run("verify", tmp_path / "cut")
+    assert code == 1 and "manifest.json: missing; the cache is incomplete (rerun the same extract command" in out, out

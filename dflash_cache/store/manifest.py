@@ -303,11 +303,18 @@ def write_remote_manifest(remote: RemoteDir, manifest: dict) -> None:
     remote.write_bytes(MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
 
 
+# What an extraction makes before its manifest (its lock first): a folder with none of them is no cache.
+_STARTED_CACHE = (JOURNAL_DIR, SHARD_DIR, "target", "locks/cache.lock")
+
+
 def read_manifest(root: Path) -> dict:
     path = Path(root) / MANIFEST
     if not Path(root).is_dir():
         raise DFlashCacheError(f"{root}: no such cache directory")
     if not path.is_file():
+        if not any((Path(root) / name).exists() for name in _STARTED_CACHE):  # no extraction ever ran here
+            raise DFlashCacheError(f"{root} is not a cache (it has no {MANIFEST} and no {JOURNAL_DIR}/); "
+                                   "give a folder that `dflash-cache extract` wrote")
         raise DFlashCacheError(f"{path}: {INCOMPLETE}")
     try:
         data = path.read_bytes()
