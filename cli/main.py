@@ -16,6 +16,12 @@ from dflash_cache.errors import DFlashCacheError
 class Group(click.Group):
     """Prints one line per error (a traceback only with --debug) and exits non-zero."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Errors end "(run with --debug ...)" and people append it to their command: it counts there too.
+        if "--debug" in args and "--" not in args[:(i := args.index("--debug"))]:
+            args = ["--debug", *args[:i], *args[i + 1:]]
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)

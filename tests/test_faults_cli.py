@@ -190,6 +190,17 @@ def test_debug_raises_with_the_traceback(setup, tmp_path, monkeypatch):
     assert result.exc_info[2] is not None and "error:" not in result.stderr
 
 
+def test_debug_after_the_command_name_works_too(tmp_path, monkeypatch):
+    """Each error ends "(run with --debug for a traceback)", and people append it to the command they
+    ran: that was "No such option '--debug'" (exit 2)."""
+    monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope"), "--debug"])
+    assert result.exit_code == 1 and isinstance(result.exception, DFlashCacheError), result.output
+    assert "no such cache directory" in str(result.exception) and "error:" not in result.stderr
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope")])  # without it: the one line
+    assert result.exit_code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
 def test_debug_reaches_the_spawned_extraction_ranks(monkeypatch, capsys):
     """--debug sets what a spawned rank reads, and a rank that fails then prints its traceback."""
     import queue
