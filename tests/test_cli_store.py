@@ -56,3 +56,17 @@ def test_a_folder_that_is_no_cache_is_not_called_incomplete(tmp_path):
     (tmp_path / "cut" / "manifest.json").unlink()  # journals but no manifest: an extraction to finish
     code, out = run("verify", tmp_path / "cut")
     assert code == 1 and "manifest.json: missing; the cache is incomplete (rerun the same extract command" in out, out
+
+
+def test_a_cut_shard_is_named_as_cut_by_every_reader(tmp_path):
+    """`inspect --sample` and `eval --cache` on a truncated shard said 'cannot open shard (Not an Arrow
+    file)'; `verify` and `train` said what was wrong."""
+    write_random_cache(tmp_path, [5, 9, 7, 6], rows_per_shard=2)
+    shard = tmp_path / "shards" / "r0-00000.arrow"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    for command in (["inspect", tmp_path, "--sample", 0], ["verify", tmp_path]):
+        code, out = run(*command)
+        assert code == 1 and out.count("\n") == 1, out
+        assert f"{shard}: {size // 2} bytes, the manifest says {size} (truncated or replaced)" in out, out

@@ -174,6 +174,8 @@ class Cache:
             path = inside(self.root, self.root / shard.path)
             if not path.is_file():
                 raise DFlashCacheError(f"{path}: shard listed in the manifest is missing")
+            if (size := path.stat().st_size) != shard.bytes:  # else a cut shard reads as "not an Arrow file"
+                raise cut_shard_error(path, size, shard.bytes)
             return ShardReader(path)
         try:
             if self._fetcher is not None:
@@ -195,8 +197,7 @@ class Cache:
             if size is None:
                 raise DFlashCacheError(f"{self.shard_name(index)}: shard listed in the manifest is missing")
             if size != shard.bytes:
-                raise DFlashCacheError(f"{self.shard_name(index)}: {size} bytes, the manifest says {shard.bytes} "
-                                       "(truncated or replaced)")
+                raise cut_shard_error(self.shard_name(index), size, shard.bytes)
 
     def _verify_once(self, shard_index: int, reader: ShardReader) -> None:
         """sha256 of the shard's local file against the manifest, the first time a thread reads it,
@@ -319,3 +320,8 @@ def open_cache(path: str | Path, local_dir: str | Path | None = None, local_byte
                pool: ShardPool | None = None, verify_shards: bool = False) -> Cache:
     """A cache at a local path, a `file://` URL or any fsspec URL (`s3://bucket/prefix`, `gs://...`)."""
     return Cache(path, local_dir, local_bytes, pool, verify_shards)
+
+
+def cut_shard_error(name: str | Path, size: int, expected: int) -> DFlashCacheError:
+    """A shard whose size is not the manifest's, as every reader names it."""
+    return DFlashCacheError(f"{name}: {size} bytes, the manifest says {expected} (truncated or replaced)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.cache import Cache
+from dflash_cache.store.cache import Cache, cut_shard_error
 from dflash_cache.store.codecs import decode
 from dflash_cache.store.integrity import check_journals, check_target_files
 from dflash_cache.store.shard import ShardReader, ShardRecord, file_sha256
@@ -43,8 +43,8 @@ def _verify_shard(cache: Cache, shard: ShardRecord, path: Path, name: str) -> tu
     rows = tokens = 0
     if not path.is_file():
         raise DFlashCacheError(f"{name}: shard listed in the manifest is missing")
-    if path.stat().st_size != shard.bytes:
-        raise DFlashCacheError(f"{name}: {path.stat().st_size} bytes, the manifest says {shard.bytes} (truncated or replaced)")
+    if (size := path.stat().st_size) != shard.bytes:
+        raise cut_shard_error(name, size, shard.bytes)
     if file_sha256(path) != shard.sha256:
         raise DFlashCacheError(f"{name}: sha256 does not match the manifest")
     reader = ShardReader(path)
