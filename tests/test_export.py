@@ -158,3 +158,13 @@ def test_export_into_a_folder_that_holds_something_else_is_refused(tmp_path):
     again = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e"), "--dtype", "float32"])
     assert again.exit_code == 0 and "replacing the export that was there" in again.output, again.output
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "e" / "model.safetensors").values())
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_named_as_such(tmp_path):
+    """It was "... is not a drafter checkpoint (it needs drafter.safetensors ...)" for a typo."""
+    for command in (["export", str(tmp_path / "runn"), "--out", str(tmp_path / "e")],
+                    ["eval", "--drafter", str(tmp_path / "runn"), "--cache", str(tmp_path)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+        assert f"error: {tmp_path / 'runn'} does not exist" in result.stderr, result.stderr
+    assert not (tmp_path / "e").exists()

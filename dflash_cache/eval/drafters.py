@@ -31,6 +31,8 @@ EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
 def checkpoint_of(path: str | Path) -> Path:
     """A training run folder's newest complete checkpoint; any other path as it is."""
     path = Path(path)
+    if not path.exists():
+        raise DFlashCacheError(f"{path} does not exist; pass a training run, one of its checkpoints, or an export")
     if (path / CHECKPOINT_DIR).is_dir() and not (path / WEIGHTS_FILE).is_file():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
