@@ -16,9 +16,8 @@ def command(checkpoint: Path, out: Path, dtype: str) -> None:
     The result loads with `dflash.model.DFlashDraftModel.from_pretrained(OUT)` and serves in engines
     that run DFlash drafters.
     """
-    from dflash_cache.drafter.export import export_checkpoint
+    from dflash_cache.drafter.export import check_export_out, export_checkpoint
     from dflash_cache.eval.drafters import checkpoint_of
-    from dflash_cache.export_out import check_export_out
 
     checkpoint = checkpoint_of(checkpoint)
     replacing = check_export_out(out)

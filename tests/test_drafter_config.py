@@ -81,6 +81,8 @@ def test_invalid_configs_are_user_errors(change, message):
 def test_bad_names_and_fields(tmp_path):
     with pytest.raises(DFlashCacheError, match="preset"):
         load_drafter_config("qwen9-1t")
+    with pytest.raises(DFlashCacheError, match="nope.json does not exist"):
+        load_drafter_config(tmp_path / "nope.json")
     path = tmp_path / "d.json"
     path.write_text(json.dumps(tiny_config().to_dict() | {"hiden_size": 3}))
     with pytest.raises(DFlashCacheError, match="hiden_size"):

@@ -46,6 +46,19 @@ def test_train_then_refuse_to_overwrite_then_resume(tmp_path, setup):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+def test_a_run_with_no_checkpoint_is_named_as_such(tmp_path, setup):
+    """Stopped before its first checkpoint (here: its checkpoints removed), a run cannot be resumed:
+    the rerun says so and what to do, instead of sending the user to --resume."""
+    import shutil
+
+    cache, drafter = setup
+    out = tmp_path / "run"
+    assert run(*options(cache, drafter, out))[0] == 0
+    shutil.rmtree(out / "checkpoints")
+    one_line_error(*run(*options(cache, drafter, out)), "no checkpoint", "nothing to resume", "delete it")
+    one_line_error(*run(*options(cache, drafter, out, "--resume")), "no complete checkpoint")
+
+
 def test_bad_caches(tmp_path, setup):
     cache, drafter = setup
     one_line_error(*run(*options(tmp_path / "nope", drafter, tmp_path / "a")), "no such cache directory")

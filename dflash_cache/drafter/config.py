@@ -126,6 +126,8 @@ def load_drafter_config(name_or_path: str | Path) -> DrafterConfig:
     if str(name_or_path) in PRESETS:
         return replace(PRESETS[str(name_or_path)])
     path = Path(name_or_path)
+    if path.suffix == ".json" and not path.exists():
+        raise DFlashCacheError(f"drafter config {path} does not exist; give a JSON file or a preset ({', '.join(PRESETS)}).")
     if not path.is_file():
         raise DFlashCacheError(
             f"drafter config {str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file."

@@ -14,6 +14,24 @@ from dflash_cache.choices import EXPORT_DTYPES
 from dflash_cache.errors import DFlashCacheError
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def check_export_out(out: Path) -> bool:
+    """`export --out` must be new, empty, or an earlier export (replaced), never a folder (a cache, a
+    training run) into which the two files would be mixed or over whose files they would be written.
+    Raises otherwise; True when it holds an earlier export to replace."""
+    out = Path(out)
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise DFlashCacheError(f"--out {out} exists and is not a folder; choose a new or empty folder")
+    names = sorted(p.name for p in out.iterdir())
+    if foreign := [name for name in names if name not in (CONFIG_FILE, WEIGHTS_FILE)]:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DFlashCacheError(f"--out {out} holds files that are not an export's ({shown}); "
+                               "choose a new or empty folder")
+    return bool(names)
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
@@ -25,6 +43,6 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in state.items()}
-    save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config_to_reference(config, dtype), indent=2) + "\n")
+    save_tensors(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_reference(config, dtype), indent=2) + "\n")
     return out_dir

@@ -29,6 +29,9 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | Non
     if resume and not run_file.is_file():
         raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
     if not resume:
+        if run_file.is_file() and latest_checkpoint(out) is None:
+            raise DFlashCacheError(f"{out} holds a training run with no checkpoint, so there is nothing to resume: "
+                                   "delete it to start again, or choose another --out")
         if run_file.is_file():
             raise DFlashCacheError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
         if out.exists() and (not out.is_dir() or any(p.name != LOCK_DIR for p in out.iterdir())):
