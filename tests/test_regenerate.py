@@ -182,6 +182,22 @@ def test_a_failed_request_is_retried_with_backoff(tmp_path, servers):
     assert summary.records == 1 and len(server.requests) == 3
 
 
+def test_no_lane_sends_another_request_after_one_that_stops_the_run(tmp_path, servers, monkeypatch):
+    """The run stops on a failed request (--on-error error), so the lane that got it takes no further
+    job, however late the main thread raises (slowed here; under load it was late by itself, and
+    the lane had sent the next conversation: two requests where one was expected)."""
+    from dflash_cache.regenerate import run
+
+    hint = run._resume_hint
+    monkeypatch.setattr(run, "_resume_hint", lambda summary: (time.sleep(0.5), hint(summary))[1])
+    data = write_jsonl(tmp_path / "data.jsonl", [conversation(f"q{i}", "old") for i in range(3)])
+    refusing = servers(fail_first=1, fail_status=400)
+    with pytest.raises(DFlashCacheError, match="HTTP 400"):
+        regenerate(RegenerateOptions(data=[data], out=tmp_path / "out.jsonl", servers=[refusing.url], concurrency=1,
+                                     retry=FAST))
+    assert len(refusing.requests) == 1
+
+
 def test_a_request_that_keeps_failing_stops_the_run_or_is_skipped_and_listed(tmp_path, servers):
     data = write_jsonl(tmp_path / "data.jsonl", [conversation(f"q{i}", "old") for i in range(3)])
     out = tmp_path / "out.jsonl"

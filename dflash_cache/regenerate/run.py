@@ -135,6 +135,8 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
                 try:
                     results.put(("done", job, regenerate_conversation(job.messages, settings.turns, complete)))
                 except RequestFailed as e:
+                    if opts.on_error != "skip":  # the run stops on it: no lane may send another request
+                        stopping.set()
                     results.put(("failed", job, str(e)))
                 except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
                     results.put(("crashed", job, e))
