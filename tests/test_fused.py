@@ -69,14 +69,15 @@ def test_fused_packed_rows_match_hf_modules(hybrid_dir):
                                        alone.hidden_states[layer + 1][0].float(), atol=3e-2, rtol=3e-2)
 
 
-def _autotuned_kernels():
-    """Two chained elementwise kernels, each with 9 configurations: (y = 2x, z = y + 1)."""
+def _autotuned_kernels(cache_results: bool = False):
+    """Two chained elementwise kernels, each with 9 configurations: (y = 2x, z = y + 1); with
+    `cache_results`, the first one's choice is kept in Triton's disk cache, as fla's are."""
     import triton
     import triton.language as tl
 
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128, 256) for w in (1, 2, 4)]
 
-    @triton.autotune(configs=configs, key=["n"])
+    @triton.autotune(configs=configs, key=["n"], cache_results=cache_results)
     @triton.jit
     def double(x, y, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -125,6 +126,27 @@ def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
         triton.knobs.runtime.jit_post_compile_hook = None
     torch.testing.assert_close(y, x * 2)
     assert len(compiled) == configs  # each configuration compiled once, none twice
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_an_autotuner_whose_choice_is_on_disk_compiles_only_that_configuration(tmp_path, monkeypatch):
+    import triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # empty: the first tuning leaves its choice here
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    compiled = _count_compiles()
+    try:
+        for run in ("first", "second"):  # the second as a new process meets it: same source, nothing in memory
+            configs, launch_double, _ = _autotuned_kernels(cache_results=True)
+            y = torch.empty_like(x)
+            compiled.clear()
+            with parallel_autotune(4):
+                launch_double(x, y)
+            torch.testing.assert_close(y, x * 2)
+            assert len(compiled) == (configs if run == "first" else 1), run
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
 
 
 @pytest.mark.gpu

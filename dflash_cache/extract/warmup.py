@@ -11,7 +11,7 @@ the others find its kernels on disk, so five ranks never compile the same kernel
 Triton's autotuner compiles the configurations of a kernel one after the other, each before it is
 timed: most of a cold minute on a hybrid target. During the warm-up each autotuner first compiles
 all its configurations at once on a pool of threads (Triton's asynchronous compile mode), then
-times each for 30 ms instead of 125. That still compiles kernel after kernel, since each kernel is
+times each for 11 ms instead of 125. That still compiles kernel after kernel, since each kernel is
 timed before the forward goes on. So the side process below first runs a dry forward in which no
 autotuned kernel launches and the configurations of every kernel compile together on one pool
 (`compile_all_kernels_at_once`), then the forward that times them: on an H200, 25.6 s for the
@@ -70,7 +70,9 @@ def node_lock(folder: Path) -> Iterator[None]:
 @contextmanager
 def parallel_autotune(threads: int) -> Iterator[None]:
     """While active, a Triton autotuner compiles all its configurations on `threads` threads before
-    timing them, for a shorter time each (a no-op with a Triton that has no asynchronous compile mode)."""
+    timing them, for a shorter time each (a no-op with a Triton that has no asynchronous compile mode).
+    An autotuner whose choice is already known (in memory, or in the disk cache: the side process
+    or an earlier run tuned it) compiles only the chosen configuration, as Triton does."""
     try:
         from triton.runtime.autotuner import Autotuner
         from triton.runtime._async_compile import AsyncCompileMode
@@ -83,13 +85,20 @@ def parallel_autotune(threads: int) -> Iterator[None]:
     def compile_all_then_run(self, *args, **kwargs):
         if len(self.configs) <= 1:
             return run(self, *args, **kwargs)
+        self.__dict__["_bench"] = _refuse_to_time
+        try:
+            return run(self, *args, **kwargs)
+        except _NotTuned:
+            pass
+        finally:
+            del self.__dict__["_bench"]
         try:
             with AsyncCompileMode(pool, ignore_errors=True):  # a configuration that fails is timed as failing
                 self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
         except Exception:  # noqa: BLE001 - losing the head start only costs time: `run` compiles what is missing
             pass
         # Triton times each configuration for 25 + 100 ms; kernels of a packed row take 0.1-2 ms, so
-        # 5 + 25 ms still takes the median of a dozen runs or more.
+        # 1 + 10 ms still takes the median of five runs or more.
         self.__dict__["do_bench"] = partial(do_bench, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
         try:
             return run(self, *args, **kwargs)
@@ -104,7 +113,15 @@ def parallel_autotune(threads: int) -> Iterator[None]:
             Autotuner.run = run
 
 
-BENCH_WARMUP_MS, BENCH_REP_MS = 5, 25
+BENCH_WARMUP_MS, BENCH_REP_MS = 1, 10
+
+
+class _NotTuned(Exception):
+    pass
+
+
+def _refuse_to_time(*args, **kwargs):
+    raise _NotTuned  # Triton asked to time a configuration: no choice is known for this key
 
 
 @contextmanager
@@ -161,12 +178,13 @@ def start_background_warmup(target_path: Path, layout: Layout, device: str, kern
     if "linear_attention" not in layer_types or not layout.warmup_samples() or torch.device(device).type != "cuda":
         return None
     process = multiprocessing.get_context("spawn").Process(
-        target=_warm_up_small_model, args=(target_path, layout, device, kernel_cache), name="kernel-warmup", daemon=True)
+        target=warm_up_small_model, args=(target_path, layout, device, kernel_cache), name="kernel-warmup", daemon=True)
     process.start()
     return process
 
 
-def _warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_cache: Path | None) -> None:
+def warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_cache: Path | None) -> None:
+    """What the side process runs: build the small model, compile every kernel at once, time them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = use_kernel_cache(kernel_cache)
