@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def quick_autotuning(request):
     """GPU tests start from an empty Triton cache: their autotuners work as extraction's warm-up does
-    (every configuration compiled at once on threads, each timed for 11 ms instead of 125), which
-    leaves results alone. Without it a cold run of them did not finish in 210 s on the H200 (session
+    (every configuration compiled at once on threads, each timed in ten runs instead of 125 ms of
+    runs), which leaves results alone. Without it a cold run of them did not finish in 210 s on the H200 (session
     6); with it, not yet measured.
     Tests of the autotuning itself are marked `own_autotuning`."""
     if "gpu" not in request.keywords or "own_autotuning" in request.keywords or not torch.cuda.is_available():

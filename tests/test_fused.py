@@ -12,7 +12,7 @@ from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION
-from dflash_cache.extract.warmup import compile_all_kernels_at_once, parallel_autotune
+from dflash_cache.extract.warmup import compile_all_kernels_at_once, parallel_autotune, time_by_count
 from tests.tiny import build_target
 
 QWEN3_5 = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -126,6 +126,32 @@ def test_parallel_autotune_compiles_every_configuration_and_keeps_the_result():
         triton.knobs.runtime.jit_post_compile_hook = None
     torch.testing.assert_close(y, x * 2)
     assert len(compiled) == configs  # each configuration compiled once, none twice
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_timing_by_count_picks_the_fast_configuration():
+    import triton
+    import triton.language as tl
+
+    # 16-element programs (a million of them) against 1024-element ones, the slow one listed first.
+    configs = [triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 1024}, num_warps=4)]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def copy(x, y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
+
+    x = torch.randn(1 << 24, device="cuda")
+    y = torch.empty_like(x)
+    with parallel_autotune(2):
+        copy[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](x, y, x.numel())
+    torch.testing.assert_close(y, x)
+    assert copy.best_config.kwargs["BLOCK"] == 1024
+    slow, fast = (time_by_count(lambda c=c: copy.fn.run(x, y, x.numel(), grid=(triton.cdiv(x.numel(), c.kwargs["BLOCK"]),),
+                                                        warmup=False, **c.all_kwargs()))[0] for c in configs)
+    assert slow > 2 * fast
 
 
 @pytest.mark.gpu

@@ -11,12 +11,12 @@ the others find its kernels on disk, so five ranks never compile the same kernel
 Triton's autotuner compiles the configurations of a kernel one after the other, each before it is
 timed: most of a cold minute on a hybrid target. During the warm-up each autotuner first compiles
 all its configurations at once on a pool of threads (Triton's asynchronous compile mode), then
-times each for 11 ms instead of 125. That still compiles kernel after kernel, since each kernel is
-timed before the forward goes on. So the side process below first runs a dry forward in which no
-autotuned kernel launches and the configurations of every kernel compile together on one pool
-(`compile_all_kernels_at_once`), then the forward that times them: on an H200, 25.6 s for the
-whole warm-up against 38.9 s kernel after kernel (BENCHMARKS.md, session 7). Compiling in a pool
-of processes instead of threads did no better there.
+times each in ten runs instead of 125 ms of runs. That still compiles kernel after kernel, since
+each kernel is timed before the forward goes on. So the side process below first runs a dry
+forward in which no autotuned kernel launches and the configurations of every kernel compile
+together on one pool (`compile_all_kernels_at_once`), then the forward that times them: on an
+H200, 25.6 s for the whole warm-up against 38.9 s kernel after kernel (BENCHMARKS.md, session 7).
+Compiling in a pool of processes instead of threads did no better there.
 
 Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
 take about a minute to compile and autotune from an empty cache, `start_background_warmup` runs the
@@ -35,7 +35,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -76,7 +75,6 @@ def parallel_autotune(threads: int) -> Iterator[None]:
     try:
         from triton.runtime.autotuner import Autotuner
         from triton.runtime._async_compile import AsyncCompileMode
-        from triton.testing import do_bench
     except ImportError:
         yield
         return
@@ -97,9 +95,7 @@ def parallel_autotune(threads: int) -> Iterator[None]:
                 self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
         except Exception:  # noqa: BLE001 - losing the head start only costs time: `run` compiles what is missing
             pass
-        # Triton times each configuration for 25 + 100 ms; kernels of a packed row take 0.1-2 ms, so
-        # 1 + 10 ms still takes the median of five runs or more.
-        self.__dict__["do_bench"] = partial(do_bench, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
+        self.__dict__["do_bench"] = time_by_count
         try:
             return run(self, *args, **kwargs)
         finally:
@@ -113,7 +109,25 @@ def parallel_autotune(threads: int) -> Iterator[None]:
             Autotuner.run = run
 
 
-BENCH_WARMUP_MS, BENCH_REP_MS = 1, 10
+TIMED_RUNS = 10
+
+
+def time_by_count(fn, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
+    """Triton's autotuner benchmark by count instead of by time: one run to warm up, then these
+    quantiles (ms) of TIMED_RUNS. Triton's do_bench runs a kernel for 25 + 100 ms, with a 256 MB
+    cache flush before each run: a 0.1 ms kernel of a packed row hundreds of times, mostly flush
+    and launch overhead (5 + 25 ms took 9.0 s for 136 configurations on an H200, 1 + 10 ms still
+    6.4 s; BENCHMARKS.md, session 7). The rows' tensors are far larger than the cache, so the flush
+    changes little but the time it takes."""
+    fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(TIMED_RUNS)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
 
 
 class _NotTuned(Exception):
