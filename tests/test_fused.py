@@ -196,3 +196,22 @@ def test_a_dry_forward_compiles_every_kernel_at_once_and_launches_none():
         triton.knobs.runtime.jit_post_compile_hook = None
     torch.testing.assert_close(z, x * 2 + 1)
     assert len(compiled) == 2 * configs  # the timed forward compiled nothing again
+
+
+@pytest.mark.gpu
+@pytest.mark.own_autotuning
+def test_the_dry_forward_builds_the_kernels_launcher_too(tmp_path, monkeypatch):
+    import triton.runtime.build as build
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # empty: no launcher built yet
+    _, _, forward = _autotuned_kernels()
+    x = torch.randn(3000, device="cuda")
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    with compile_all_kernels_at_once(4):
+        forward(x, y, z)
+    built, real_build = [], build._build
+    monkeypatch.setattr(build, "_build", lambda name, *args: built.append(name) or real_build(name, *args))
+    with parallel_autotune(4):
+        forward(x, y, z)
+    torch.testing.assert_close(z, x * 2 + 1)
+    assert built == []  # the first launches found their launcher on disk

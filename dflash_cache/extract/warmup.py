@@ -31,6 +31,7 @@ import fcntl
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -91,7 +92,7 @@ def parallel_autotune(threads: int) -> Iterator[None]:
         finally:
             del self.__dict__["_bench"]
         try:
-            with AsyncCompileMode(pool, ignore_errors=True):  # a configuration that fails is timed as failing
+            with AsyncCompileMode(compiler, ignore_errors=True):  # a configuration that fails is timed as failing
                 self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
         except Exception:  # noqa: BLE001 - losing the head start only costs time: `run` compiles what is missing
             pass
@@ -102,6 +103,7 @@ def parallel_autotune(threads: int) -> Iterator[None]:
             del self.__dict__["do_bench"]
 
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        compiler = _CompileAndBuildLauncher(pool)
         Autotuner.run = compile_all_then_run
         try:
             yield
@@ -128,6 +130,34 @@ def time_by_count(fn, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) for start, end in events)
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
+class _CompileAndBuildLauncher:
+    """An executor for Triton's asynchronous compile mode that also builds each new kernel
+    signature's launcher on the compiling thread. Triton 3.6 builds the launcher, a small C module
+    (gcc, kept in its disk cache), at a kernel's first launch, so otherwise one after the other on
+    the thread that launches."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool, self.signatures, self.lock = pool, set(), threading.Lock()
+
+    def submit(self, compile_kernel):
+        return self.pool.submit(self._compile, compile_kernel)
+
+    def _compile(self, compile_kernel):
+        from triton.runtime import driver
+
+        kernel = compile_kernel()
+        signature = repr((list(kernel.src.signature.items()), getattr(kernel.metadata, "tensordesc_meta", None)))
+        with self.lock:
+            new = signature not in self.signatures
+            self.signatures.add(signature)
+        if new:
+            try:
+                driver.active.launcher_cls(kernel.src, kernel.metadata)
+            except Exception:  # noqa: BLE001 - only a head start: the first launch builds it
+                pass
+        return kernel
 
 
 class _NotTuned(Exception):
@@ -159,7 +189,7 @@ def compile_all_kernels_at_once(threads: int) -> Iterator[None]:
         self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
 
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
-        with AsyncCompileMode(pool, ignore_errors=True):  # a configuration that fails is timed as failing later
+        with AsyncCompileMode(_CompileAndBuildLauncher(pool), ignore_errors=True):  # one that fails is timed as failing later
             Autotuner.run = submit_only
             try:
                 yield
