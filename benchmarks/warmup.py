@@ -32,14 +32,14 @@ def main() -> None:
     parser.add_argument("--layers-cut", type=int, default=16)
     parser.add_argument("--row-tokens", type=int, default=49152, help="extract's default --token-budget")
     parser.add_argument("--work", type=Path, default=Path("/tmp/warmup-bench"))
-    parser.add_argument("--runs", default="cold,warm", help="cold (an empty kernel cache), then warm (the cache it filled)")
+    parser.add_argument("--runs", default="cold,warm", help="cold (an empty kernel cache), then warm (the cache it filled); '' for none")
     parser.add_argument("--compile-log", type=Path, help="then a cold warm-up in this process, each compilation logged here")
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     target, kernels = args.work / "target", args.work / "kernels"
     config = target_config("qwen3.6-27b-cut", args.layers_cut)
     config.save_pretrained(target)
-    for run in args.runs.split(","):
+    for run in filter(None, args.runs.split(",")):
         started = time.perf_counter()
         process = start_background_warmup(target, PackedLayout(args.row_tokens), "cuda", kernels, config)
         if process is None:
