@@ -68,47 +68,59 @@ def node_lock(folder: Path) -> Iterator[None]:
 
 
 @contextmanager
+def _autotuners_patched(threads: int, make_run) -> Iterator[tuple[type, "_CompileAndBuildLauncher"] | None]:
+    """While active, Triton's Autotuner.run is `make_run(the original run, AsyncCompileMode, compiler)`,
+    `compiler` handing compilations to a pool of `threads`; yields (AsyncCompileMode, compiler), or
+    None, patching nothing, with a Triton that has no asynchronous compile mode."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield None
+        return
+    run = Autotuner.run
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        compiler = _CompileAndBuildLauncher(pool)
+        Autotuner.run = make_run(run, AsyncCompileMode, compiler)
+        try:
+            yield AsyncCompileMode, compiler
+        finally:
+            Autotuner.run = run
+
+
+@contextmanager
 def parallel_autotune(threads: int) -> Iterator[None]:
     """While active, a Triton autotuner compiles all its configurations on `threads` threads before
     timing them, for a shorter time each (a no-op with a Triton that has no asynchronous compile mode).
     An autotuner whose choice is already known (in memory, or in the disk cache: the side process
     or an earlier run tuned it) compiles only the chosen configuration, as Triton does."""
-    try:
-        from triton.runtime.autotuner import Autotuner
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
+
+    def make_run(run, AsyncCompileMode, compiler):
+        def compile_all_then_run(self, *args, **kwargs):
+            if len(self.configs) <= 1:
+                return run(self, *args, **kwargs)
+            self.__dict__["_bench"] = _refuse_to_time
+            try:
+                return run(self, *args, **kwargs)
+            except _NotTuned:
+                pass
+            finally:
+                del self.__dict__["_bench"]
+            try:
+                with AsyncCompileMode(compiler, ignore_errors=True):  # a configuration that fails is timed as failing
+                    self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
+            except Exception:  # noqa: BLE001 - losing the head start only costs time: `run` compiles what is missing
+                pass
+            self.__dict__["do_bench"] = time_by_count
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                del self.__dict__["do_bench"]
+
+        return compile_all_then_run
+
+    with _autotuners_patched(threads, make_run):
         yield
-        return
-    run = Autotuner.run
-
-    def compile_all_then_run(self, *args, **kwargs):
-        if len(self.configs) <= 1:
-            return run(self, *args, **kwargs)
-        self.__dict__["_bench"] = _refuse_to_time
-        try:
-            return run(self, *args, **kwargs)
-        except _NotTuned:
-            pass
-        finally:
-            del self.__dict__["_bench"]
-        try:
-            with AsyncCompileMode(compiler, ignore_errors=True):  # a configuration that fails is timed as failing
-                self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
-        except Exception:  # noqa: BLE001 - losing the head start only costs time: `run` compiles what is missing
-            pass
-        self.__dict__["do_bench"] = time_by_count
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            del self.__dict__["do_bench"]
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
-        compiler = _CompileAndBuildLauncher(pool)
-        Autotuner.run = compile_all_then_run
-        try:
-            yield
-        finally:
-            Autotuner.run = run
 
 
 TIMED_RUNS = 10
@@ -177,24 +189,17 @@ def compile_all_kernels_at_once(threads: int) -> Iterator[None]:
     the forward compile at once. The forward's outputs are garbage (the next forward times the
     compiled configurations); shapes and sample boundaries come from the inputs, not from kernel
     outputs, so the dry forward reaches the kernels, and the specialisations, of a real one."""
-    try:
-        from triton.runtime.autotuner import Autotuner
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        yield
-        return
-    run = Autotuner.run
 
     def submit_only(self, *args, **kwargs):
         self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
-        with AsyncCompileMode(_CompileAndBuildLauncher(pool), ignore_errors=True):  # one that fails is timed as failing later
-            Autotuner.run = submit_only
-            try:
-                yield
-            finally:
-                Autotuner.run = run
+    with _autotuners_patched(threads, lambda run, AsyncCompileMode, compiler: submit_only) as triton:
+        if triton is None:
+            yield
+            return
+        AsyncCompileMode, compiler = triton
+        with AsyncCompileMode(compiler, ignore_errors=True):  # one that fails is timed as failing later
+            yield
 
 
 def compile_threads() -> int:
