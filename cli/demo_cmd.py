@@ -20,11 +20,8 @@ def command(workdir, assets, codec, train_data, steps):
     Speculative decoding of the trained drafter on held-out prompts is checked against the target's
     own greedy output, and its mean acceptance length (tau) is reported.
     """
-    from transformers.utils.logging import disable_progress_bar
-
     from dflash_cache.demo import DemoOptions, run_demo
 
-    disable_progress_bar()  # the weights load three times; their progress bars would bury the story
     result = run_demo(DemoOptions(workdir=workdir, assets=assets, codec=codec, train_data=train_data, steps=steps), echo=click.echo)
     report = result.report
     click.echo(f"eval: speculative decoding of {report.prompts} held-out prompts ({result.seconds['eval']:.0f} s)")

@@ -88,10 +88,6 @@ def command(data, out, servers, target, gpus, max_tokens, temperature, concurren
 
     Rerunning the same command after any interruption resumes: records already written are not asked for again.
     """
-    if target is not None:
-        from transformers.utils.logging import disable_progress_bar  # here: --help must not import transformers
-
-        disable_progress_bar()  # the weights' loading bars would bury the regeneration's own
     settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature, reasoning=reasoning, turns=turns,
                                   chat_template_kwargs=chat_template_kwargs)
     opts = RegenerateOptions(data=list(data), out=out, servers=list(servers), target=target, gpus=gpus,

@@ -16,6 +16,7 @@ from transformers import (
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.info import SUPPORTED, read_target_info
+from dflash_cache.loading_bars import no_loading_bars
 
 
 
@@ -46,9 +47,10 @@ def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype
     info = read_target_info(path)
     path = info.path
     # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attention, local_files_only=True
-    ).to(device)
+    with no_loading_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention, local_files_only=True
+        ).to(device)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) != model.config.num_hidden_layers:
         raise DFlashCacheError(

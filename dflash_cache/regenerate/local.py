@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.extract.info import read_target_info
+from dflash_cache.loading_bars import no_loading_bars
 from dflash_cache.regenerate.client import RequestFailed
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
@@ -50,7 +51,8 @@ class _Replica:
         self.device = device
         self.stop = stop
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
+        with no_loading_bars():
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
         self.template = _response_template(self.tokenizer, self.model)
 
     @torch.inference_mode()
