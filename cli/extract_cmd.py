@@ -11,6 +11,7 @@ from dflash_cache.progress import ProgressLog
 from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 if TYPE_CHECKING:
+    from dflash_cache.extract.pipeline import ExtractSummary
     from dflash_cache.extract.worker import RankSummary
 
 
@@ -133,10 +134,9 @@ def command(target, data, out, layers, num_draft_layers, codec, gpus, token_budg
     if summary.already_complete:
         click.echo(f"{out}: already complete, nothing to do")
         return
-    per_token = summary.bytes / max(summary.tokens, 1)
     click.echo(
-        f"done: {summary.samples:,} samples, {summary.tokens:,} tokens, {per_token:,.0f} bytes/token, "
-        f"{summary.wall_s:.1f} s wall, {summary.truncated} truncated, {summary.skipped} skipped, "
+        f"done: {held_line(summary)}, {summary.wall_s:.1f} s wall, {summary.truncated} truncated, "
+        f"{summary.skipped if summary.manifest is None else len(summary.manifest['skipped'])} skipped, "
         f"{summary.bad_records} bad records, {summary.untrainable} with nothing to train on"
     )
     for r in summary.ranks:
@@ -155,6 +155,19 @@ def _json_object(text: str | None) -> dict | None:
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'", param_hint="--chat-template-kwargs")
     return value or None
+
+
+def held_line(summary: "ExtractSummary") -> str:
+    """What the cache holds now, from its manifest, and this run's share of it after a resume; a
+    torchrun rank that did not write the manifest knows only what it wrote itself."""
+    if summary.manifest is None:
+        return (f"{summary.samples:,} samples, {summary.tokens:,} tokens written by this rank, "
+                f"{summary.bytes / max(summary.tokens, 1):,.0f} bytes/token")
+    totals = summary.manifest["totals"]
+    resumed = summary.samples != totals["samples"]
+    return (f"{totals['samples']:,} samples{f' ({summary.samples:,} this run)' if resumed else ''}, "
+            f"{totals['tokens']:,} tokens{f' ({summary.tokens:,} this run)' if resumed else ''}, "
+            f"{totals['bytes'] / max(totals['tokens'], 1):,.0f} bytes/token")
 
 
 def rank_line(r: "RankSummary") -> str:

@@ -149,6 +149,31 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
     assert_same_cache(reference, out)
 
 
+def test_the_summary_after_a_resume_gives_the_caches_totals_and_this_runs_share(crash_setup, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from dflash_cache_cli.main import main
+
+    target, data, _ = crash_setup
+    out = tmp_path / "cache"
+    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:3"})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    entries = [json.loads(line) for line in (out / "journal" / "r0.jsonl").read_text().splitlines()]
+    committed = [e["shard"] for e in entries if "shard" in e]
+    before_samples, before_tokens = sum(s["rows"] for s in committed), sum(s["tokens"] for s in committed)
+    assert len(committed) == 3 and before_samples > 0
+    result = CliRunner().invoke(main, list(map(str, extract_args(target, data, out))))
+    assert result.exit_code == 0, result.output
+    totals = json.loads((out / "manifest.json").read_text())["totals"]
+    assert totals["samples"] == 16 and before_samples < 16
+    line = next(line for line in result.output.splitlines() if line.startswith("done: "))
+    assert line.startswith(f"done: {totals['samples']:,} samples ({totals['samples'] - before_samples:,} this run), "
+                           f"{totals['tokens']:,} tokens ({totals['tokens'] - before_tokens:,} this run), "
+                           f"{totals['bytes'] / totals['tokens']:,.0f} bytes/token, "), line
+
+
 def test_a_complete_cache_reruns_without_loading_the_target(qwen3_target_dir, conversations, tmp_path, monkeypatch):
     from dflash_cache.extract import worker
 
