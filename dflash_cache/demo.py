@@ -33,6 +33,7 @@ from dflash_cache.eval.speculative import (
 )
 from dflash_cache.extract.info import read_target_info
 from dflash_cache.extract.pipeline import ExtractOptions, ExtractSummary, extract
+from dflash_cache.folders import check_holds_only
 from dflash_cache.train.checkpoint import latest_checkpoint
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.metrics import METRICS_FILE
@@ -41,6 +42,8 @@ from dflash_cache.train.train import train
 
 ASSETS = DEMO_ASSETS
 ASSET_FILES = ("target/config.json", "data/heldout.jsonl")
+CACHE, RUN, DATA, DRAFTER_FILE = "cache", "run", "data", "drafter.json"  # what the demo writes into its workdir
+WORKDIR_ENTRIES = (CACHE, RUN, DATA, DRAFTER_FILE)
 
 
 @dataclass
@@ -121,18 +124,21 @@ def drafter_config(target: Path, layers: list[int], num_layers: int, block_size:
 
 
 def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
+    workdir = Path(opts.workdir) if opts.workdir else None
+    if workdir is not None:  # an earlier demo's workdir resumes its extraction; any other files are not ours
+        check_holds_only(workdir, WORKDIR_ENTRIES, "--workdir", "a demo's")
+        if (workdir / RUN).exists():
+            raise DFlashCacheError(f"{workdir} already holds a demo run; pass another --workdir or delete it.")
     assets = find_assets(Path(opts.assets), opts.train_data)
-    workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="dflash-demo-"))
-    cache, run = workdir / "cache", workdir / "run"
-    if run.exists():
-        raise DFlashCacheError(f"{workdir} already holds a demo run; pass another --workdir or delete it.")
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="dflash-demo-"))
+    cache, run = workdir / CACHE, workdir / RUN
     target = assets / "target"
     layers = opts.layers or list(range(read_target_info(target).num_layers))
     seconds: dict[str, float] = {}
     echo(f"workdir {workdir}")
 
     started = time.perf_counter()
-    data = write_subset(assets / "data" / opts.train_data, workdir / "data" / opts.train_data, opts.train_samples)
+    data = write_subset(assets / "data" / opts.train_data, workdir / DATA / opts.train_data, opts.train_samples)
     extracted = extract(ExtractOptions(target=target, data=[data], out=cache, layers=layers, codec=opts.codec,
                                        gpus=[0] if torch.cuda.is_available() else None))
     seconds["extract"] = time.perf_counter() - started
@@ -140,7 +146,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResu
          f"({opts.codec}, {extracted.bytes / max(extracted.tokens, 1):.0f} bytes/token, {seconds['extract']:.0f} s)")
 
     started = time.perf_counter()
-    config_file = workdir / "drafter.json"
+    config_file = workdir / DRAFTER_FILE
     config = drafter_config(target, layers, opts.drafter_layers, opts.block_size)
     config_file.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     train(TrainConfig(caches=[str(cache)], out=str(run), drafter=str(config_file), steps=opts.steps,

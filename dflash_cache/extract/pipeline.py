@@ -35,6 +35,7 @@ from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.varlen import packed_support
 from dflash_cache.extract.warmup import start_background_warmup
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.folders import check_holds_only
 from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.info import TargetInfo, read_target_info
@@ -138,15 +139,6 @@ def _check_options(opts: ExtractOptions) -> None:
 CACHE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", TARGET_DIR, SHARD_DIR, JOURNAL_DIR, LOCK_DIR}
 
 
-def _check_no_foreign_files(root: Path, option: str) -> None:
-    """An existing folder is resumed only if it holds nothing but a cache's own entries: a cache
-    written into a training run or a folder of other files would mix with them."""
-    if root.is_dir() and (foreign := sorted(p.name for p in root.iterdir() if p.name not in CACHE_ENTRIES)):
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise DFlashCacheError(f"{option} {root} holds files that are not part of a cache ({shown}); "
-                               "choose a new or empty folder")
-
-
 def _cut_torn_journal(path: Path, on_note: Callable[[str], None]) -> None:
     """A crash while a journal line was appended leaves it torn: cut it before anything is appended."""
     if path.is_file() and (cut := cut_torn_line(path)):
@@ -203,9 +195,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     remote = RemoteDir(str(opts.out)) if is_remote(opts.out) else None
     root = (Path(opts.staging) if opts.staging else default_staging(remote.url)) if remote else local_path(opts.out)
     store = remote or root  # where the journals and the manifest live
-    if root.exists() and not root.is_dir():
-        raise DFlashCacheError(f"{'--staging' if remote else '--out'} {root} exists and is not a directory")
-    _check_no_foreign_files(root, "--staging" if remote else "--out")
+    # An existing folder is resumed only if it holds nothing but a cache's own entries.
+    check_holds_only(root, CACHE_ENTRIES, "--staging" if remote else "--out", "part of a cache")
     made_root = not root.exists()
     make_folder(root)
     # One lock for the cache, whatever the launch mode: the ranks of one torchrun launch share it.
