@@ -136,6 +136,8 @@ def _check_options(opts: ExtractOptions) -> None:
             raise DFlashCacheError(f"--data {path} is given twice (it is {first}); give each file once")
 
 
+# Every name a cache folder may hold. store/manifest.py's _STARTED_CACHE differs on purpose: the
+# names that show an extraction began there (locks/cache.lock, not locks/, which a run folder has too).
 CACHE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", TARGET_DIR, SHARD_DIR, JOURNAL_DIR, LOCK_DIR}
 
 
