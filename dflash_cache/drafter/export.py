@@ -12,6 +12,7 @@ from dflash_cache.drafter.checkpoint import load_drafter_state
 from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.choices import EXPORT_DTYPES
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.folders import check_holds_only
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -22,16 +23,8 @@ def check_export_out(out: Path) -> bool:
     training run) into which the two files would be mixed or over whose files they would be written.
     Raises otherwise; True when it holds an earlier export to replace."""
     out = Path(out)
-    if not out.exists():
-        return False
-    if not out.is_dir():
-        raise DFlashCacheError(f"--out {out} exists and is not a folder; choose a new or empty folder")
-    names = sorted(p.name for p in out.iterdir())
-    if foreign := [name for name in names if name not in (CONFIG_FILE, WEIGHTS_FILE)]:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise DFlashCacheError(f"--out {out} holds files that are not an export's ({shown}); "
-                               "choose a new or empty folder")
-    return bool(names)
+    check_holds_only(out, (CONFIG_FILE, WEIGHTS_FILE), "--out", "an export's")
+    return out.is_dir() and any(out.iterdir())
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
