@@ -94,6 +94,13 @@ def extract_args(target, data, out):
             "--token-budget", 300, "--shard-size", 0.02]
 
 
+def extract_killed_at(target, data, out, kill_at: str) -> None:
+    """The CLI run killed by SIGKILL at the fault point `kill_at` (DFLASH_CACHE_KILL_AT)."""
+    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": kill_at})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+
+
 def assert_same_cache(a: Path, b: Path):
     ca, cb = open_cache(a), open_cache(b)
     assert sorted(ca) == sorted(cb)
@@ -122,9 +129,7 @@ def crash_setup(tmp_path_factory):
 def test_sigkill_then_resume_equals_uninterrupted(crash_setup, tmp_path, kill_at):
     target, data, reference = crash_setup
     out = tmp_path / "cache"
-    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": kill_at})
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    extract_killed_at(target, data, out, kill_at)
     assert not (out / "manifest.json").exists() or kill_at == "manifest.write:1"
     run_extract(target, data, out, max_shard_bytes=int(0.02 * (1 << 20)))
     assert_same_cache(reference, out)
@@ -134,9 +139,7 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
     """Killed with one process, finished by two (torchrun-style ranks), equal to one uninterrupted run."""
     target, data, reference = crash_setup
     out = tmp_path / "cache"
-    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:3"})
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    extract_killed_at(target, data, out, "shard.committed:3")
     done_before = sum(1 for p in (out / "shards").iterdir())
     assert done_before >= 3
     ranks = [cli(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}) for r in range(2)]
@@ -157,9 +160,7 @@ def test_the_summary_after_a_resume_gives_the_caches_totals_and_this_runs_share(
 
     target, data, _ = crash_setup
     out = tmp_path / "cache"
-    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:3"})
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    extract_killed_at(target, data, out, "shard.committed:3")
     entries = [json.loads(line) for line in (out / "journal" / "r0.jsonl").read_text().splitlines()]
     committed = [e["shard"] for e in entries if "shard" in e]
     before_samples, before_tokens = sum(s["rows"] for s in committed), sum(s["tokens"] for s in committed)
