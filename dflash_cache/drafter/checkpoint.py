@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dflash_cache.safetensors_file import save_tensors
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -31,8 +32,33 @@ def load_drafter_state(directory: str | Path) -> tuple[DrafterConfig, dict[str, 
     directory = Path(directory)
     if not (directory / WEIGHTS_FILE).is_file() or not (directory / CONFIG_FILE).is_file():
         raise DFlashCacheError(f"{directory} is not a drafter checkpoint (it needs {WEIGHTS_FILE} and {CONFIG_FILE}).")
-    config = DrafterConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-    return config, load_file(directory / WEIGHTS_FILE)
+    try:
+        values = json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DFlashCacheError(f"{directory / CONFIG_FILE}: unreadable ({first_line(e)})") from None
+    config = DrafterConfig.from_dict(values)
+    return config, read_weights(directory / WEIGHTS_FILE, config, directory / CONFIG_FILE)
+
+
+def read_weights(path: Path, config: DrafterConfig, config_path: Path) -> dict[str, torch.Tensor]:
+    """A drafter's weights file, its tensors checked against `config` before any model is built: a
+    shared file whose header lies, or a config whose sizes its tensors do not have (a huge
+    intermediate size would otherwise be allocated first), is one line naming both files."""
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise DFlashCacheError(f"{path}: unreadable safetensors file ({first_line(e)})") from None
+    with torch.device("meta"):  # the shapes the config makes, without allocating them
+        expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
+    problems = [f"{name} is missing" for name in expected if name not in state]
+    problems += [f"{name} is not a weight of this drafter" for name in state if name not in expected]
+    problems += [f"{name} is {list(t.shape)}, the config makes it {list(expected[name])}"
+                 for name, t in state.items() if name in expected and tuple(t.shape) != expected[name]]
+    problems += [f"{name} is {t.dtype}, not floating point" for name, t in state.items() if not t.is_floating_point()]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise DFlashCacheError(f"{path} does not fit {config_path}: {'; '.join(problems[:3])}{more}")
+    return state
 
 
 def load_drafter(directory: str | Path, head: TargetHead | None = None, **model_kwargs) -> DFlashDrafter:

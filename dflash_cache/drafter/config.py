@@ -9,6 +9,8 @@ from pathlib import Path
 from dflash_cache.errors import DFlashCacheError
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "max_position_embeddings")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class DrafterConfig:
     preset: str | None = None  # the preset this config came from; None for a JSON file
 
     def __post_init__(self) -> None:
+        self.check_types()
         if not self.target_hidden_size:
             self.target_hidden_size = self.hidden_size
         if not self.layer_types:
@@ -43,6 +46,17 @@ class DrafterConfig:
         self.target_layer_ids = list(self.target_layer_ids)
         self.layer_types = list(self.layer_types)
         self.validate()
+
+    def check_types(self) -> None:
+        """A config file someone shared may hold "1" or 0 where the rest divides, multiplies or compares."""
+        problems = [f"{name} must be a positive integer, not {getattr(self, name)!r}" for name in SIZE_FIELDS
+                    if type(getattr(self, name)) is not int or getattr(self, name) < 1]
+        problems += [f"{name} must be a list, not {getattr(self, name)!r}" for name in ("target_layer_ids", "layer_types")
+                     if not isinstance(getattr(self, name), (list, tuple))]
+        if isinstance(self.target_layer_ids, (list, tuple)) and not all(type(i) is int and i >= 0 for i in self.target_layer_ids):
+            problems.append(f"target_layer_ids must be layer numbers, not {self.target_layer_ids!r}")
+        if problems:
+            raise DFlashCacheError("invalid drafter config: " + "; ".join(problems) + ".")
 
     def validate(self) -> None:
         problems = []
@@ -59,7 +73,7 @@ class DrafterConfig:
             problems.append("sliding_attention layers need a sliding_window")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.block_size < 2:
+        if type(self.block_size) is not int or self.block_size < 2:
             problems.append("block_size must be at least 2")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
@@ -73,6 +87,8 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "DrafterConfig":
+        if not isinstance(values, dict):
+            raise DFlashCacheError(f"a drafter config must be a JSON object, not {type(values).__name__}.")
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(values) - known):
             raise DFlashCacheError(f"unknown drafter config fields {unknown}; known fields: {sorted(known)}.")

@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_cache.drafter.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     load_drafter_state,
+    read_weights,
 )
 from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
 from dflash_cache.drafter.head import TargetHead
@@ -48,7 +48,8 @@ def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tenso
         config, state = load_drafter_state(path)
         return config, state, path
     if (path / EXPORT_WEIGHTS).is_file() and (path / EXPORT_CONFIG).is_file():
-        return load_drafter_config(path / EXPORT_CONFIG), load_file(path / EXPORT_WEIGHTS), path
+        config = load_drafter_config(path / EXPORT_CONFIG)
+        return config, read_weights(path / EXPORT_WEIGHTS, config, path / EXPORT_CONFIG), path
     raise DFlashCacheError(
         f"{path} holds no drafter: pass a training checkpoint (RUN/checkpoints/step-N, with {WEIGHTS_FILE}), "
         f"a training run folder, or an export (with {EXPORT_WEIGHTS} and {EXPORT_CONFIG})."

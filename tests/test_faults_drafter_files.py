@@ -1,0 +1,146 @@
+"""Hostile drafter checkpoints and exports: a safetensors header that lies, a config whose sizes the
+weights do not have (or that would allocate terabytes), a config of the wrong types. Each is one line
+naming the file, before any model is built and before `export --out` is written."""
+
+import json
+import struct
+
+import pytest
+from click.testing import CliRunner
+from dflash_cache_cli.main import main
+
+from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_drafter
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.export import export_checkpoint
+from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.errors import DFlashCacheError
+from dflash_cache.eval.drafters import read_drafter
+
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99, num_target_layers=6)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A training checkpoint and its export."""
+    root = tmp_path_factory.mktemp("drafter")
+    save_drafter(DFlashDrafter(DrafterConfig(**CONFIG)), root / "checkpoint")
+    export_checkpoint(root / "checkpoint", root / "export", dtype="float32")
+    return root
+
+
+def copy(sources, kind, tmp_path):
+    source, target = sources / kind, tmp_path / kind
+    target.mkdir()
+    for f in source.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    names = (WEIGHTS_FILE, CONFIG_FILE) if kind == "checkpoint" else ("model.safetensors", "config.json")
+    return target, target / names[0], target / names[1]
+
+
+def rewrite_header(weights, edit) -> None:
+    """Replace the safetensors JSON header with `edit(header)`, keeping the tensor bytes."""
+    data = weights.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.dumps(edit(json.loads(data[8:8 + size]))).encode()
+    header += b" " * (-len(header) % 8)
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + size:])
+
+
+def past_the_end(h):
+    h["norm.weight"]["data_offsets"][1] += 1 << 30
+    return h
+
+
+def overlapping(h):
+    h["layers.0.mlp.up_proj.weight"]["data_offsets"] = list(h["layers.0.mlp.gate_proj.weight"]["data_offsets"])
+    return h
+
+
+def shape_swapped(h):  # the same bytes, the shape transposed: the header is valid, the config disagrees
+    h["fc.weight"]["shape"] = h["fc.weight"]["shape"][::-1]
+    return h
+
+
+def integer_weights(h):
+    h["norm.weight"]["dtype"] = "I32" if h["norm.weight"]["dtype"] == "F32" else "I16"
+    return h
+
+
+def huge_length(weights):
+    data = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+
+
+HEADERS = {"past_the_end": (past_the_end, "unreadable safetensors file"),
+           "overlapping": (overlapping, "unreadable safetensors file"),
+           "shape_swapped": (shape_swapped, r"fc.weight is \[64, 32\], the config makes it \[32, 64\]"),
+           "integer_weights": (integer_weights, "norm.weight is torch.int(32|16), not floating point")}
+
+
+def refused(path, tmp_path, match):
+    with pytest.raises(DFlashCacheError, match=match):
+        read_drafter(path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", str(path), "--out", str(out)])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert not out.exists()
+    return result.stderr
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_a_lying_safetensors_header_is_one_line_naming_the_file(sources, tmp_path, kind, case):
+    folder, weights, _ = copy(sources, kind, tmp_path)
+    edit, match = HEADERS[case]
+    rewrite_header(weights, edit)
+    if kind == "export":  # `export` reads checkpoints only; eval reads both
+        with pytest.raises(DFlashCacheError, match=match):
+            read_drafter(folder)
+        return
+    assert str(weights) in refused(folder, tmp_path, match)
+
+
+def test_a_header_length_of_a_terabyte_is_refused_unread(sources, tmp_path):
+    folder, weights, _ = copy(sources, "checkpoint", tmp_path)
+    huge_length(weights)
+    refused(folder, tmp_path, "unreadable safetensors file .*header too large")
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_a_config_with_huge_sizes_is_refused_before_anything_is_allocated(sources, tmp_path, kind):
+    """intermediate_size 2^40 makes MLP weights of 2^45 bytes: refused against the weights' shapes
+    (an export of such a checkpoint was written, and eval built the model before loading weights)."""
+    folder, _, config_file = copy(sources, kind, tmp_path)
+    values = json.loads(config_file.read_text())
+    values["intermediate_size"] = 1 << 40
+    config_file.write_text(json.dumps(values))
+    match = r"does not fit .*mlp.down_proj.weight is \[32, 64\], the config makes it \[32, 1099511627776\]"
+    if kind == "export":
+        with pytest.raises(DFlashCacheError, match=match):
+            read_drafter(folder)
+        return
+    refused(folder, tmp_path, match)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer, not 0"),  # was ZeroDivisionError
+    ("num_hidden_layers", "1", "num_hidden_layers must be a positive integer, not '1'"),
+    ("hidden_size", 32.0, "hidden_size must be a positive integer, not 32.0"),
+    ("target_layer_ids", 3, "target_layer_ids must be a list, not 3"),  # was TypeError: 'int' object is not iterable
+    ("target_layer_ids", ["1", 3], r"target_layer_ids must be layer numbers, not \['1', 3\]"),
+])
+def test_a_config_of_the_wrong_types_is_named(sources, tmp_path, field, value, match):
+    folder, _, config_file = copy(sources, "checkpoint", tmp_path)
+    values = json.loads(config_file.read_text())
+    values[field] = value
+    config_file.write_text(json.dumps(values))
+    refused(folder, tmp_path, "invalid drafter config: " + match)
+
+
+def test_a_config_that_is_not_json_names_its_file(sources, tmp_path):
+    folder, _, config_file = copy(sources, "checkpoint", tmp_path)
+    config_file.write_text("{not json")
+    assert str(config_file) in refused(folder, tmp_path, "drafter_config.json: unreadable")
+    config_file.write_text("[1, 2]")
+    refused(folder, tmp_path, "a drafter config must be a JSON object, not list")
