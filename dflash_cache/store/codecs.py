@@ -155,8 +155,27 @@ def decompress_into(payload, codec: str, out: np.ndarray) -> None:
         raise DFlashCacheError(f"unknown codec {codec!r}")
 
 
+def check_payload_size(payload, codec: str, size: int) -> None:
+    """Refuse a payload that cannot decode to `size` bytes before `size` bytes are allocated: a
+    manifest someone shared may declare a width of 2^36, each row then asking for terabytes. A zstd
+    frame that declares its content size (ours always do) must declare the plane's."""
+    payload = memoryview(payload).cast("B")
+    raw = {"bf16": size, "bf16-zstd": size // 2, "fp8-zstd": 0}[codec]  # bytes stored as they are
+    if len(payload) < raw or (codec == "bf16" and len(payload) != raw):
+        raise DFlashCacheError(f"corrupt {codec} payload: {len(payload)} bytes cannot hold {size} bytes of planes")
+    if codec == "bf16":
+        return
+    try:
+        declared = zstandard.frame_content_size(payload[: len(payload) - raw])
+    except zstandard.ZstdError as e:
+        raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
+    if declared not in (-1, size - raw):
+        raise DFlashCacheError(f"corrupt {codec} payload: its zstd frame declares {declared} bytes, expected {size - raw}")
+
+
 def decompress(data, codec: str, size: int) -> np.ndarray:
     """Payload -> uint8 planes of exactly `size` bytes."""
+    check_payload_size(data, codec, size)
     num_planes = PLANE_LAYOUT[codec][0]
     out = np.empty((num_planes, size // num_planes), dtype=np.uint8)
     decompress_into(data, codec, out)

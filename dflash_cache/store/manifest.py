@@ -348,6 +348,10 @@ def parse_manifest(data: bytes, path: str) -> dict:
             raise ValueError(f"unknown codec {spec['codec']!r}")
         if not (spec["layer_ids"] and _counts(spec["layer_ids"]) and _counts([spec["target"]["hidden_size"]])):
             raise ValueError("the spec's layer ids or hidden size are not integers")
+        # Readers size their buffers by these counts before a row is read: a count past max_length
+        # (2^40 tokens in a manifest someone shared) would be allocated first and checked after.
+        if not _counts([spec["max_length"]]) or any(s.num_tokens and max(s.num_tokens) > spec["max_length"] for s in shards):
+            raise ValueError(f"a shard lists a sample longer than the spec's max_length {spec['max_length']!r}")
         target_file_list(manifest.get("target_files", {}))
     except (KeyError, TypeError, ValueError) as e:
         raise DFlashCacheError(f"{path}: malformed manifest ({e}); {REBUILD}") from None
