@@ -61,3 +61,39 @@ def test_remote_errors_are_one_line(monkeypatch):
     with pytest.raises(DFlashCacheError) as info:
         RemoteDir("memory://bucket/cache").exists("manifest.json")
     assert str(info.value) == "memory://bucket/cache/manifest.json: Multiline: Parameter validation failed:"
+
+
+def test_credentials_in_a_server_url_are_sent_but_never_shown(tmp_path):
+    """`regenerate --server http://user:password@host` (httpx sends them as basic auth): the run uses
+    them, and no message shows them (a server down, retries that fail, a refused request)."""
+    from dflash_cache.regenerate.client import RetryPolicy
+    from dflash_cache.regenerate.run import RegenerateOptions, regenerate
+    from dflash_cache.train.distributed import free_port
+    from tests.chatservers import ScriptedServer, write_jsonl
+
+    def with_secret(url):
+        return url.replace("http://", f"http://bob:{SECRET}@")
+
+    data = write_jsonl(tmp_path / "data.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": "old"}]}])
+    dead = with_secret(f"http://127.0.0.1:{free_port()}")
+    result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--server", dead])
+    assert result.exit_code == 1 and "error: server http://***@127.0.0.1:" in result.stderr, result.stderr
+    assert SECRET not in result.output + result.stderr
+
+    fast = RetryPolicy(attempts=2, first_delay_s=0.01, max_delay_s=0.02)
+    failing, refusing, good = ScriptedServer(fail_first=9), ScriptedServer(fail_first=1, fail_status=400), ScriptedServer()
+    try:
+        out = tmp_path / "out.jsonl"
+        summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(failing.url)], retry=fast,
+                                               on_error="skip"))
+        assert len(summary.skipped) == 1 and "http://***@127.0.0.1" in summary.skipped[0][1]
+        assert SECRET not in str(summary.skipped)
+        with pytest.raises(DFlashCacheError, match=r"http://\*\*\*@127.0.0.1:\d+/v1 refused the request") as refused:
+            regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(refusing.url)], retry=fast))
+        assert SECRET not in str(refused.value)
+        assert regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(good.url)], retry=fast)).records == 1
+        assert SECRET not in out.read_text()
+    finally:
+        for server in (failing, refusing, good):
+            server.close()

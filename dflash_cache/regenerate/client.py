@@ -18,6 +18,7 @@ import httpx
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
+from dflash_cache.store.remote import redact
 
 RETRIED_STATUS = {408, 429, 500, 502, 503, 504}
 TIMEOUT = httpx.Timeout(connect=10.0, read=1800.0, write=60.0, pool=None)  # a long answer takes minutes
@@ -66,7 +67,8 @@ class ServerPool:
             try:
                 response = self._http.get(f"{url}/models", timeout=10.0)
             except httpx.HTTPError as e:
-                raise DFlashCacheError(f"server {url} is not reachable ({_reason(e)}); start it or leave it out") from None
+                raise DFlashCacheError(_hide(f"server {url} is not reachable ({_reason(e)}); start it or leave it out",
+                                             url)) from None
             model = None
             if response.status_code == 200:  # transformers serve answers 500 here when pinned to a local folder
                 try:
@@ -91,13 +93,13 @@ class ServerPool:
             try:
                 response = self._http.post(f"{url}/chat/completions", json=body)
             except httpx.HTTPError as e:
-                errors.append(f"{url}: {_reason(e)}")
+                errors.append(_hide(f"{url}: {_reason(e)}", url))
                 continue
             if response.status_code in RETRIED_STATUS:
-                errors.append(f"{url}: HTTP {response.status_code} {_detail(response)}")
+                errors.append(_hide(f"{url}: HTTP {response.status_code} {_detail(response)}", url))
                 continue
             if response.status_code != 200:
-                raise RequestFailed(f"{url} refused the request: HTTP {response.status_code} {_detail(response)}")
+                raise RequestFailed(_hide(f"{url} refused the request: HTTP {response.status_code} {_detail(response)}", url))
             return _completion(response, url)
         tries = f"{len(errors)} attempt(s)" if errors else "stopping"
         raise RequestFailed(f"failed after {tries}: {'; '.join(dict.fromkeys(errors)) or 'the run is stopping'}")
@@ -121,7 +123,14 @@ def _completion(response: httpx.Response, url: str) -> Completion:
             model=str(data.get("model")),
         )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise RequestFailed(f"{url} answered with something that is not a chat completion: {response.text[:120]!r}") from None
+        raise RequestFailed(_hide(f"{url} answered with something that is not a chat completion: {response.text[:120]!r}",
+                                  url)) from None
+
+
+def _hide(message: str, url: str) -> str:
+    """`message` with the `user:password@` of `url` (httpx sends it as basic auth) shown as `***@`,
+    wherever the URL appears in it (httpx's own errors quote the request URL)."""
+    return message.replace(url, redact(url))
 
 
 def _reason(error: httpx.HTTPError) -> str:
