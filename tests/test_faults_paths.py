@@ -132,3 +132,74 @@ def test_the_fetcher_checks_what_it_writes_and_evicts(cache, s3_url, tmp_path):
     assert victim.read_bytes() == b"keep me"
     assert os.listdir(fetcher.root / "shards") == []
     shutil.rmtree(tmp_path / "fetch")
+
+
+# ---- folders handed over and written into: a cache to finish, a run to resume, an export to replace ----
+
+def linked_out(folder, name, tmp_path):
+    """Replace `folder/name` with a symlink to a file of someone's own outside the folder; returns it."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    link = folder / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    return victim
+
+
+@pytest.mark.parametrize("name", ["locks/cache.lock", "journal/r0.jsonl", "shards/r0-00009.arrow.tmp", "manifest.json.tmp"])
+def test_extract_into_a_cache_with_a_link_out_writes_nothing_through_it(cache, tmp_path, name):
+    """Refused before the lock is taken. The lock file linked out was overwritten with `pid P on HOST`
+    before the run found that this cache's settings differ; on a real resume a journal linked out was
+    appended to (tried by hand: 19 lines added to the outside file)."""
+    from tests.tiny import build_target, write_conversations
+
+    victim = linked_out(cache, name, tmp_path)
+    target, data = build_target(tmp_path / "target", "qwen3"), write_conversations(tmp_path / "data.jsonl", count=2)
+    code, err = cli("extract", "--target", target, "--data", data, "--out", cache, "--layers", "1,3")
+    assert victim.read_text() == "keep me\n"
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{cache / name} is a symbolic link out of the folder (to {victim}); refusing to write through it" in err
+
+
+def test_a_link_that_stays_inside_the_folder_is_not_refused(tmp_path):
+    from dflash_cache.folders import check_no_links_out
+
+    (tmp_path / "out" / "a").mkdir(parents=True)
+    (tmp_path / "out" / "b").symlink_to("a")
+    check_no_links_out(tmp_path / "out", "--out")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out" / "a" / "c").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DFlashCacheError, match="a/c is a symbolic link out of the folder"):
+        check_no_links_out(tmp_path / "out", "--out")
+
+
+@pytest.mark.parametrize("name", ["locks/run.lock", "metrics.jsonl"])
+def test_train_resume_of_a_run_with_a_link_out_writes_nothing_through_it(tmp_path, name):
+    from tests.test_train_helpers import drafter_json, make_cache
+
+    cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    victim = linked_out(run, name, tmp_path)
+    code, err = cli("train", "--cache", cache, "--out", run, "--drafter", drafter, "--steps", 2, "--token-budget", 128,
+                    "--max-anchors", 8, "--resume")
+    assert victim.read_text() == "keep me\n"
+    assert code == 1 and err.count("\n") == 1 and f"{run / name} is a symbolic link out of the folder" in err, err
+
+
+def test_export_into_a_folder_with_a_link_out_is_refused_as_the_others_are(tmp_path):
+    """Before, export replaced the link (nothing was written through it); now the rule for every
+    output folder refuses it too."""
+    from dflash_cache.drafter.checkpoint import save_drafter
+    from dflash_cache.drafter.config import DrafterConfig
+    from dflash_cache.drafter.model import DFlashDrafter
+
+    save_drafter(DFlashDrafter(DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99)), tmp_path / "checkpoint")
+    victim = linked_out(tmp_path / "export", "model.safetensors", tmp_path)
+    code, err = cli("export", tmp_path / "checkpoint", "--out", tmp_path / "export")
+    assert victim.read_text() == "keep me\n"
+    assert code == 1 and err.count("\n") == 1 and "model.safetensors is a symbolic link out of the folder" in err, err

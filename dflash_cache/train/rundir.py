@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.folders import check_no_links_out
 from dflash_cache.lock import LOCK_DIR, FolderLock, make_folder
 from dflash_cache.store.manifest import spec_differences
 from dflash_cache.train.checkpoint import latest_checkpoint
@@ -37,6 +38,7 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | Non
         if out.exists() and (not out.is_dir() or any(p.name != LOCK_DIR for p in out.iterdir())):
             raise DFlashCacheError(f"{out} exists and is not an empty folder; choose another --out")
         make_folder(out)
+    check_no_links_out(out, "--out")  # a run someone handed over to resume is written into
     lock = FolderLock(out, "run", what="being trained").acquire()
     try:
         checkpoint = _check_resume(out, identity) if resume else _start(out, identity)
