@@ -124,6 +124,37 @@ class FolderLock:
         if launch is not None:
             fcntl.flock(fd, fcntl.LOCK_SH)  # under the guard: nobody can slip in between
 
+    def holder(self) -> str | None:
+        """Who holds the lock now (as a refusal would name them), or None; for readers, which write
+        nothing (a missing lock file is no holder). Probes under the guard, as `acquire` does, so a
+        writer arriving meanwhile waits for the probe to end rather than being refused by it."""
+        try:
+            guard = os.open(self.guard_path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            deadline = time.monotonic() + GUARD_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(0.01)
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # exclusive: the ranks of a launch hold it shared
+                return None  # closing the file releases the probe
+            except BlockingIOError:
+                return os.pread(fd, 300, 0).decode(errors="replace").strip() or "another process"
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(guard)
+
     def release(self, discard: bool = False) -> None:
         """`discard`: a run that wrote nothing else leaves nothing behind: when `acquire` made locks/
         and no other process holds the lock, the lock files and locks/ are removed too."""

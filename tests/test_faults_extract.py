@@ -80,6 +80,37 @@ def test_second_process_on_the_same_out_is_refused_naming_the_holder(setup, tmp_
         first.communicate(timeout=60)
 
 
+@pytest.mark.slow
+def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_path):
+    """`inspect`, `verify` and `train` on a cache an extraction is still writing: one line naming the
+    running extraction (they advised to "rerun the same extract command", which the lock refuses);
+    the extraction, let go on, ends with the same cache as an uninterrupted run."""
+    from click.testing import CliRunner
+    from dflash_cache_cli.main import main
+    from tests.test_train_helpers import drafter_json
+
+    target, data, reference = setup
+    out = tmp_path / "cache"
+    drafter = drafter_json(tmp_path / "d.json", hidden_size=64, vocab_size=384, mask_token_id=383, target_layer_ids=[1, 4])
+    first = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:2:STOP"})
+    try:
+        wait_until_stopped(first)
+        before = snapshot(out)
+        running = f"missing; {out} is being written by pid {first.pid} on {socket.gethostname()} (an extraction that has not finished)"
+        for args in (["inspect", out], ["verify", out],
+                     ["train", "--cache", out, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1]):
+            result = CliRunner().invoke(main, [str(a) for a in args])
+            assert result.exit_code == 1 and result.stderr.count("\n") == 1 and running in result.stderr, result.stderr
+        assert snapshot(out) == before and not (tmp_path / "run").exists()
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=240)
+        assert first.returncode == 0, err[-2000:]
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    assert_same_cache(reference, out)
+
+
 def limit_file_size(limit: int):
     def preexec():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

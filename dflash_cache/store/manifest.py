@@ -20,6 +20,7 @@ import numpy as np
 
 from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.lock import FolderLock
 from dflash_cache.rowbits import RowBits
 from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.paths import check_shard_path, is_file_name
@@ -315,6 +316,9 @@ def read_manifest(root: Path) -> dict:
         if not any((Path(root) / name).exists() for name in _STARTED_CACHE):  # no extraction ever ran here
             raise DFlashCacheError(f"{root} is not a cache (it has no {MANIFEST} and no {JOURNAL_DIR}/); "
                                    "give a folder that `dflash-cache extract` wrote")
+        if holder := FolderLock(root, "cache").holder():  # not finished yet: rerunning extract would be refused
+            raise DFlashCacheError(f"{path}: missing; {root} is being written by {holder} (an extraction that has not "
+                                   "finished); wait for it to end")
         raise DFlashCacheError(f"{path}: {INCOMPLETE}")
     try:
         data = path.read_bytes()
