@@ -60,3 +60,25 @@ def test_a_hidden_size_of_2_36_is_refused_before_its_buffer_is_allocated(tmp_pat
         open_cache(root)[0]
     code, err = cli("verify", root)
     assert code == 1 and err.count("\n") == 1 and "payload" in err, err
+
+
+def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tmp_path):
+    """head.safetensors of hidden size 16 in a cache whose spec says 32 (its manifest hash matching
+    it): `train` made its run folder and stopped at the first step with `RuntimeError: The size of
+    tensor a (32) must match the size of tensor b (16)`; `eval --cache` the same."""
+    from dflash_cache.drafter.checkpoint import save_drafter
+    from dflash_cache.drafter.model import DFlashDrafter
+    from dflash_cache.drafter.config import load_drafter_config
+    from tests.test_train_helpers import drafter_json, make_cache, write_head
+
+    cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
+    write_head(cache, hidden=16)
+    needle = ("head.safetensors does not hold the head of the cache's target (vocabulary 100, hidden size 32): "
+              "embed_tokens.weight is [100, 16], not [100, 32]; norm.weight is [16], not [32]")
+    code, err = cli("train", "--cache", cache, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1,
+                    "--token-budget", 128, "--max-anchors", 8)
+    assert code == 1 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "run").exists()
+    save_drafter(DFlashDrafter(load_drafter_config(drafter)), tmp_path / "checkpoint")
+    code, err = cli("eval", "--drafter", tmp_path / "checkpoint", "--cache", cache, "--device", "cpu")
+    assert code == 1 and err.count("\n") == 1 and needle in err, err

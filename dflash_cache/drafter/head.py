@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import DFlashCacheError, first_line
 
 HEAD_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 
@@ -39,6 +39,23 @@ class TargetHead:
             raise DFlashCacheError(f"{path} lacks {missing}; re-run extract to rewrite the target head.")
         head = cls(*(tensors[k] for k in HEAD_KEYS))
         return head.apply(lambda t: t.to(dtype)) if dtype is not None else head
+
+    @staticmethod
+    def check_shapes(path: str | Path, vocab_size: int, hidden_size: int) -> None:
+        """The file's tensors must have the shapes of the target the cache's spec names; read from
+        its header alone, before a run folder is made (a head someone shared of another shape
+        stopped the first step with a bare `RuntimeError: The size of tensor a ...`)."""
+        expected = {"embed_tokens.weight": [vocab_size, hidden_size], "norm.weight": [hidden_size],
+                    "lm_head.weight": [vocab_size, hidden_size]}
+        try:
+            with safe_open(str(path), "pt") as f:
+                found = {k: list(f.get_slice(k).get_shape()) for k in HEAD_KEYS if k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise DFlashCacheError(f"{path}: unreadable ({first_line(e)}); re-run extract to rewrite the target head.") from None
+        if found != expected:
+            wrong = "; ".join(f"{k} is {found.get(k, 'missing')}, not {v}" for k, v in expected.items() if found.get(k) != v)
+            raise DFlashCacheError(f"{path} does not hold the head of the cache's target "
+                                   f"(vocabulary {vocab_size}, hidden size {hidden_size}): {wrong}")
 
     @property
     def vocab_size(self) -> int:

@@ -80,6 +80,7 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
         spec = caches.spec
         check_fits(config, spec["target"]["hidden_size"], spec["target"]["vocab_size"], spec["target"]["num_layers"],
                    spec["layer_ids"])
+        TargetHead.check_shapes(caches.head_dir / "head.safetensors", spec["target"]["vocab_size"], spec["target"]["hidden_size"])
         head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
         # On the CPU the dense-mask attention: flex-attention runs unfused there and holds every score.
         attention = "dense" if device.type == "cpu" else "flex"

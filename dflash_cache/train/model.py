@@ -54,6 +54,7 @@ def check_head(caches: CacheSet) -> Path:
     if not path.is_file():
         raise DFlashCacheError(f"{path} is missing: the cache lacks the target head the drafter shares (rerun extract)")
     check_target_files(caches.head_dir, caches.caches[0].manifest)
+    TargetHead.check_shapes(path, caches.spec["target"]["vocab_size"], caches.spec["target"]["hidden_size"])
     return path
 
 
