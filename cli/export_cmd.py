@@ -17,9 +17,9 @@ def command(checkpoint: Path, out: Path, dtype: str) -> None:
     that run DFlash drafters.
     """
     from dflash_cache.drafter.export import check_export_out, export_checkpoint
-    from dflash_cache.eval.drafters import checkpoint_of
+    from dflash_cache.eval.drafters import checkpoint_of, from_newest
 
-    checkpoint = checkpoint_of(checkpoint)
+    checkpoint_of(checkpoint)  # a path that is not there is named before --out is looked at
     replacing = check_export_out(out)
-    export_checkpoint(checkpoint, out, dtype)
+    checkpoint = from_newest(checkpoint, lambda chosen: export_checkpoint(chosen, out, dtype) and chosen)
     click.echo(f"exported {checkpoint} -> {out} ({dtype})" + (", replacing the export that was there" if replacing else ""))

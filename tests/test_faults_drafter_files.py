@@ -144,3 +144,45 @@ def test_a_config_that_is_not_json_names_its_file(sources, tmp_path):
     assert str(config_file) in refused(folder, tmp_path, "drafter_config.json: unreadable")
     config_file.write_text("[1, 2]")
     refused(folder, tmp_path, "a drafter config must be a JSON object, not list")
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_a_checkpoint_the_run_deletes_while_it_is_read_is_chosen_again(sources, tmp_path, monkeypatch, reader):
+    """`eval --drafter RUN` / `export RUN` while RUN trains with `--keep-last 1`: the run writes step-3
+    and deletes step-2, the one just chosen, before it is read (it was `RUN/checkpoints/step-2 holds
+    no drafter` / `is not a drafter checkpoint`). The newest is chosen again."""
+    import dflash_cache.drafter.export as export_module
+    import dflash_cache.eval.drafters as drafters_module
+    from dflash_cache.train.checkpoint import COMPLETE
+    from dflash_cache.train.retention import prune_checkpoints
+    from dflash_cache.train.rundir import RUN_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_FILE).write_text("{}")
+
+    def write_checkpoint(step):
+        folder = run / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        for f in (sources / "checkpoint").iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        (folder / COMPLETE).write_text("{}")
+
+    write_checkpoint(1)
+    write_checkpoint(2)
+    module = drafters_module if reader == "eval" else export_module
+    original = module.load_drafter_state
+
+    def the_run_moves_on(path):
+        if not (run / "checkpoints" / "step-3").exists():
+            write_checkpoint(3)
+            assert prune_checkpoints(run, keep_last=1) == [run / "checkpoints" / "step-1", run / "checkpoints" / "step-2"]
+        return original(path)
+
+    monkeypatch.setattr(module, "load_drafter_state", the_run_moves_on)
+    if reader == "eval":
+        assert read_drafter(run)[2] == run / "checkpoints" / "step-3"
+        return
+    result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0 and f"exported {run / 'checkpoints' / 'step-3'} ->" in result.stdout, result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()

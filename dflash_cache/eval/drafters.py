@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -26,6 +27,7 @@ from dflash_cache.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dflash_cache.train.rundir import RUN_FILE
 
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
+T = TypeVar("T")
 
 
 def checkpoint_of(path: str | Path) -> Path:
@@ -41,9 +43,25 @@ def checkpoint_of(path: str | Path) -> Path:
     return path
 
 
+def from_newest(path: str | Path, read: Callable[[Path], T]) -> T:
+    """`read(checkpoint_of(path))`. When `path` is a run still training, the checkpoint chosen may be
+    deleted while it is read (`--keep-last` keeps the newest few): then the newest is chosen again."""
+    for _ in range(3):
+        chosen = checkpoint_of(path)
+        try:
+            return read(chosen)
+        except (DFlashCacheError, OSError):
+            if chosen == Path(path) or chosen.exists():
+                raise
+    raise DFlashCacheError(f"{path}: its newest checkpoint was deleted while being read, three times; try again")
+
+
 def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
     """(config, weights, the folder they came from)."""
-    path = checkpoint_of(path)
+    return from_newest(path, _read_drafter)
+
+
+def _read_drafter(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
     if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
         config, state = load_drafter_state(path)
         return config, state, path
