@@ -82,3 +82,58 @@ def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tm
     save_drafter(DFlashDrafter(load_drafter_config(drafter)), tmp_path / "checkpoint")
     code, err = cli("eval", "--drafter", tmp_path / "checkpoint", "--cache", cache, "--device", "cpu")
     assert code == 1 and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("length", [1 << 40, -1])
+def test_a_shard_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_path, length):
+    """A row's list columns declaring 2^40 (or -1) values over a buffer of 37: Arrow checks buffer
+    sizes against declared lengths only when asked, and reading the columns killed the process
+    (SIGBUS, SIGSEGV). The manifest's sha256 and checksum are recomputed, as whoever crafted it would."""
+    import hashlib
+    import struct
+    import subprocess
+    import sys
+
+    root = tmp_path / "cache"
+    write_random_cache(root, [37], random_spec(), rows_per_shard=1)
+    shard = root / "shards" / "r0-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    declared = [i for i in range(len(data) - 8) if data[i:i + 8] == struct.pack("<q", 37)]
+    assert len(declared) >= 3  # the lengths of the input_ids, loss_mask and target_ids values
+    for i in declared[:3]:
+        data[i:i + 8] = struct.pack("<q", length)
+    shard.write_bytes(bytes(data))
+    edited(root, lambda manifest: manifest["shards"][0].update(sha256=hashlib.sha256(data).hexdigest()))
+    for command in (["inspect", root, "--sample", 0], ["verify", root]):
+        result = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, command)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1, (result.returncode, result.stderr[-500:])
+        assert result.stderr.count("\n") == 1 and "r0-00000.arrow: row 0 unreadable (In column 2: Invalid: List child array invalid" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["file", "stream"])
+@pytest.mark.parametrize("length", [1 << 40, -1])
+def test_an_arrow_data_file_whose_lengths_lie_is_one_line_not_a_crash(tmp_path, kind, length):
+    """`--data x.arrow` (a data set someone shared) whose input_ids values declare 2^40 or -1 entries:
+    -1 aborted the reader (`Check failed: (off) <= (length)`, SIGABRT); 2^40 was read as if declared
+    right. Both are damaged files, named as such."""
+    import struct
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    path = tmp_path / "data.arrow"
+    table = pa.table({"input_ids": pa.array([list(range(100, 140)), list(range(7))], type=pa.list_(pa.int32()))})
+    with (pa.ipc.new_file if kind == "file" else pa.ipc.new_stream)(str(path), table.schema) as writer:
+        writer.write_table(table)
+    data = bytearray(path.read_bytes())
+    node = data.find(struct.pack("<qq", 47, 0))  # the values' field node: 47 entries, no nulls
+    assert node > 0
+    data[node:node + 8] = struct.pack("<q", length)
+    path.write_bytes(bytes(data))
+    code = (f"from dflash_cache.data.readers import read_records\nfrom dflash_cache import DFlashCacheError\n"
+            f"try:\n    list(read_records({str(path)!r}))\nexcept DFlashCacheError as e:\n    print(e)\n    raise SystemExit(1)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-500:])
+    assert result.stdout.startswith(f"{path}: unreadable data part-way through the file (In column 0: Invalid: List child array invalid")

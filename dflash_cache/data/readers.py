@@ -290,9 +290,13 @@ def _read_arrow(path: Path) -> Iterator[Record]:
 
 
 def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordBatch]:
-    """Turn Arrow errors raised part-way through a file (truncation, corruption) into user errors."""
+    """Turn Arrow errors raised part-way through a file (truncation, corruption) into user errors.
+    Each batch is validated first: Arrow reads lengths and offsets as the file declares them, and a
+    file declaring a length of -1 aborted or crashed the process (SIGABRT, SIGSEGV) as it was read."""
     try:
-        yield from batches
+        for batch in batches:
+            batch.validate(full=True)
+            yield batch
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({first_line(e)})") from None
 

@@ -423,6 +423,10 @@ class ShardReader:
     def row(self, index: int) -> StoredRow:
         try:
             batch = self._reader.get_batch(index)
+            # Arrow checks lengths, buffer sizes and offsets only when asked: a crafted shard whose field
+            # lengths say 2^40 crashed the reader (SIGBUS, SIGSEGV) as its columns were read. A row's
+            # batch holds one value per column, so the full check costs about 1 us.
+            batch.validate(full=True)
             return StoredRow(
                 sample_id=batch.column("sample_id")[0].as_py(),
                 input_ids=_list_values(batch.column("input_ids"), np.int32),
