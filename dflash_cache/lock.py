@@ -117,19 +117,28 @@ class FolderLock:
                     return
                 except BlockingIOError:
                     pass
-            raise DFlashCacheError(f"{self.root} is {self.what} by {holder}; wait for it or stop it first") from None
+            raise self.refusal(holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, (me if launch is None else f"torchrun launch ({launch}): {me} and its other ranks").encode(), 0)
         os.fsync(fd)
         if launch is not None:
             fcntl.flock(fd, fcntl.LOCK_SH)  # under the guard: nobody can slip in between
 
+    def refusal(self, holder: str) -> DFlashCacheError:
+        return DFlashCacheError(f"{self.root} is {self.what} by {holder}; wait for it or stop it first")
+
+    def check_free(self) -> None:
+        """Raises as `acquire` would while another process holds the lock, taking nothing: for the
+        checks a command makes before it takes it, whose own advice would be wrong meanwhile."""
+        if holder := self.holder():
+            raise self.refusal(holder)
+
     def holder(self) -> str | None:
         """Who holds the lock now (as a refusal would name them), or None; for readers, which write
         nothing (a missing lock file is no holder). Probes under the guard, as `acquire` does, so a
         writer arriving meanwhile waits for the probe to end rather than being refused by it."""
         try:
-            guard = os.open(self.guard_path, os.O_RDONLY)
+            guard = os.open(self.guard_path, os.O_RDONLY | os.O_NOFOLLOW)  # a reader follows no link out
         except OSError:
             return None
         try:
@@ -142,7 +151,7 @@ class FolderLock:
                     if time.monotonic() > deadline:
                         return None
                     time.sleep(0.01)
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # exclusive: the ranks of a launch hold it shared
                 return None  # closing the file releases the probe

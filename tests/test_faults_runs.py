@@ -144,3 +144,33 @@ def test_training_state_round_trip(tmp_path):
     assert loaded["rng"][0]["python"] == (3, (0, 1, 2, 3, 4), None) and loaded["position"] == state["position"]
     assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
     assert torch.equal(loaded["rng"][0]["torch"], state["rng"][0]["torch"])
+
+
+def test_a_train_into_a_run_folder_being_trained_names_the_run_not_resume(tmp_path):
+    """A second `train` (without --resume) into a folder another run is training: it said `already holds
+    a training run; pass --resume to continue it`, advice the lock then refused. Now the lock's holder
+    is named first, with or without --resume, and nothing is written."""
+    import json
+
+    from click.testing import CliRunner
+    from dflash_cache_cli.main import main
+
+    from dflash_cache.lock import FolderLock
+    from tests.test_train_helpers import drafter_json, make_cache
+
+    cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-1").mkdir(parents=True)
+    (run / "checkpoints" / "step-1" / "complete.json").write_text(json.dumps({"step": 1}))
+    (run / "run.json").write_text("{}")
+    holder = FolderLock(run, "run", what="being trained").acquire()  # as the running `train` holds it
+    try:
+        before = sorted(p for p in run.rglob("*"))
+        for extra in ([], ["--resume"]):
+            result = CliRunner().invoke(main, ["train", "--cache", str(cache), "--out", str(run), "--drafter", str(drafter),
+                                               "--steps", "2", "--token-budget", "128", "--max-anchors", "8", *extra])
+            assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+            assert f"error: {run} is being trained by pid " in result.stderr and "--resume" not in result.stderr
+        assert sorted(p for p in run.rglob("*")) == before
+    finally:
+        holder.release()

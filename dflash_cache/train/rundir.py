@@ -27,6 +27,8 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | Non
     run.json. Returns the checkpoint to resume from, and the lock to hold for the whole run."""
     out = Path(out)
     run_file = out / RUN_FILE
+    lock = FolderLock(out, "run", what="being trained")
+    lock.check_free()  # a run training there now: not "pass --resume", which the lock would refuse
     if resume and not run_file.is_file():
         raise DFlashCacheError(f"--resume: {out} holds no run ({RUN_FILE} missing); start without --resume")
     if not resume:
@@ -39,7 +41,7 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | Non
             raise DFlashCacheError(f"{out} exists and is not an empty folder; choose another --out")
         make_folder(out)
     check_no_links_out(out, "--out")  # a run someone handed over to resume is written into
-    lock = FolderLock(out, "run", what="being trained").acquire()
+    lock.acquire()
     try:
         checkpoint = _check_resume(out, identity) if resume else _start(out, identity)
     except BaseException:
