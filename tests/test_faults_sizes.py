@@ -137,3 +137,50 @@ def test_an_arrow_data_file_whose_lengths_lie_is_one_line_not_a_crash(tmp_path, 
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, (result.returncode, result.stderr[-500:])
     assert result.stdout.startswith(f"{path}: unreadable data part-way through the file (In column 0: Invalid: List child array invalid")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON nested past Python's recursion limit
+
+
+def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
+    """A manifest, a journal line, a checkpoint's drafter config and training state, a run's run.json: `json` raised a bare
+    `RecursionError: maximum recursion depth exceeded while decoding a JSON array` naming no file."""
+    from dflash_cache.drafter.checkpoint import CONFIG_FILE, save_drafter
+    from dflash_cache.drafter.config import load_drafter_config
+    from dflash_cache.drafter.model import DFlashDrafter
+    from dflash_cache.store.manifest import read_journals
+    from tests.test_train_helpers import drafter_json, make_cache
+
+    cache = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40])
+    journal = cache / "journal" / "r0.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join([lines[0], DEEP, *lines[1:]]) + "\n")
+    with pytest.raises(DFlashCacheError, match=r"r0.jsonl:2: corrupt journal line"):
+        read_journals(cache)
+
+    drafter = drafter_json(tmp_path / "d.json")
+    save_drafter(DFlashDrafter(load_drafter_config(drafter)), tmp_path / "checkpoint")
+    (tmp_path / "checkpoint" / CONFIG_FILE).write_text(DEEP)
+    code, err = cli("export", tmp_path / "checkpoint", "--out", tmp_path / "export")
+    assert code == 1 and err.count("\n") == 1 and f"{tmp_path / 'checkpoint' / CONFIG_FILE}: unreadable (maximum recursion" in err, err
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(DEEP)
+    code, err = cli("train", "--cache", cache, "--out", run, "--drafter", drafter, "--steps", 2, "--token-budget", 128,
+                    "--max-anchors", 8, "--resume")
+    assert code == 1 and err.count("\n") == 1 and f"--resume: {run / 'run.json'} is unreadable (maximum recursion" in err, err
+
+    from safetensors.torch import save_file
+
+    from dflash_cache.train.state_io import load_state
+
+    save_file({}, tmp_path / "checkpoint" / "train_state.safetensors")
+    (tmp_path / "checkpoint" / "train_state.json").write_text(DEEP)
+    with pytest.raises(DFlashCacheError, match=r"checkpoint: unreadable training state \(maximum recursion"):
+        load_state(tmp_path / "checkpoint", "train_state")
+
+    (cache / "manifest.json").write_text(DEEP)
+    for command in ("inspect", "verify"):
+        code, err = cli(command, cache)
+        assert code == 1 and err.count("\n") == 1 and "manifest.json: unreadable manifest (maximum recursion" in err, err

@@ -34,7 +34,7 @@ def load_drafter_state(directory: str | Path) -> tuple[DrafterConfig, dict[str, 
         raise DFlashCacheError(f"{directory} is not a drafter checkpoint (it needs {WEIGHTS_FILE} and {CONFIG_FILE}).")
     try:
         values = json.loads((directory / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise DFlashCacheError(f"{directory / CONFIG_FILE}: unreadable ({first_line(e)})") from None
     config = DrafterConfig.from_dict(values)
     return config, read_weights(directory / WEIGHTS_FILE, config, directory / CONFIG_FILE)

@@ -150,9 +150,9 @@ def load_drafter_config(name_or_path: str | Path) -> DrafterConfig:
         )
     try:
         values = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise DFlashCacheError(f"drafter config {path} is not valid JSON: {e}.") from None
-    if "dflash_config" in values:
+    if isinstance(values, dict) and "dflash_config" in values:
         from dflash_cache.drafter.reference import config_from_reference
 
         return config_from_reference(values)

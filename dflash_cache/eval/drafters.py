@@ -84,7 +84,7 @@ def training_run(source: Path) -> Path | None:
 def _run_file(run: Path) -> dict:
     try:
         values = json.loads((run / RUN_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise DFlashCacheError(f"{run / RUN_FILE}: unreadable ({e}); pass --eval-fraction and the other options") from None
     if not isinstance(values, dict):
         raise DFlashCacheError(f"{run / RUN_FILE} is not a JSON object; pass --eval-fraction and the other options")

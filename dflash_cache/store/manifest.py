@@ -338,7 +338,7 @@ def read_remote_manifest(remote: RemoteDir) -> dict:
 def parse_manifest(data: bytes, path: str) -> dict:
     try:
         manifest = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting 100,000 deep
         raise DFlashCacheError(f"{path}: unreadable manifest ({e}); {REBUILD}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise DFlashCacheError(f"{path}: not a dflash-cache manifest")

@@ -324,7 +324,7 @@ def iter_journal(pieces: Iterable[str], where: str) -> Iterator[dict]:
             continue
         try:
             yield json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested 100,000 deep
             if len(ahead) <= 1:  # the last line, possibly without its newline
                 return
             raise DFlashCacheError(f"{where}:{number}: corrupt journal line") from None

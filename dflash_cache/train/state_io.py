@@ -55,7 +55,7 @@ def load_state(directory: Path, name: str) -> object:
     try:
         structure = json.loads(json_path.read_text())
         tensors = load_file(tensor_path)
-    except (OSError, UnicodeDecodeError, ValueError, SafetensorError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError) as e:
         raise DFlashCacheError(f"{directory}: unreadable training state ({e})") from None
 
     def decode(value: object) -> object:
