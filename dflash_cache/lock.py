@@ -89,16 +89,10 @@ class FolderLock:
         while True:
             self.guard_path.parent.mkdir(parents=True, exist_ok=True)  # again: a discarding run may remove it
             fd = os.open(self.guard_path, os.O_RDWR | os.O_CREAT, 0o644)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        os.close(fd)
-                        raise DFlashCacheError(f"{self.guard_path} stays locked by a process that does not "
-                                               "release it; stop that process first") from None
-                    time.sleep(0.01)
+            if not _flock_by(fd, deadline):
+                os.close(fd)
+                raise DFlashCacheError(f"{self.guard_path} stays locked by a process that does not "
+                                       "release it; stop that process first")
             try:
                 if os.fstat(fd).st_ino == os.stat(self.guard_path).st_ino:
                     return fd
@@ -142,15 +136,8 @@ class FolderLock:
         except OSError:
             return None
         try:
-            deadline = time.monotonic() + GUARD_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        return None
-                    time.sleep(0.01)
+            if not _flock_by(guard, time.monotonic() + GUARD_WAIT_S):
+                return None
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # exclusive: the ranks of a launch hold it shared
@@ -191,3 +178,15 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _flock_by(fd: int, deadline: float) -> bool:
+    """An exclusive flock on `fd`, retried until `deadline` (time.monotonic()); False if it passed."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
