@@ -13,7 +13,7 @@ from dflash_cache.safetensors_file import save_tensors
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
-from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -34,7 +34,7 @@ def load_drafter_state(directory: str | Path) -> tuple[DrafterConfig, dict[str, 
         raise DFlashCacheError(f"{directory} is not a drafter checkpoint (it needs {WEIGHTS_FILE} and {CONFIG_FILE}).")
     try:
         values = json.loads((directory / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+    except JSON_FILE_ERRORS as e:
         raise DFlashCacheError(f"{directory / CONFIG_FILE}: unreadable ({first_line(e)})") from None
     config = DrafterConfig.from_dict(values)
     return config, read_weights(directory / WEIGHTS_FILE, config, directory / CONFIG_FILE)

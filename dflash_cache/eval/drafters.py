@@ -22,7 +22,7 @@ from dflash_cache.drafter.checkpoint import (
 from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError
 from dflash_cache.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dflash_cache.train.rundir import RUN_FILE
 
@@ -84,7 +84,7 @@ def training_run(source: Path) -> Path | None:
 def _run_file(run: Path) -> dict:
     try:
         values = json.loads((run / RUN_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+    except JSON_FILE_ERRORS as e:
         raise DFlashCacheError(f"{run / RUN_FILE}: unreadable ({e}); pass --eval-fraction and the other options") from None
     if not isinstance(values, dict):
         raise DFlashCacheError(f"{run / RUN_FILE} is not a JSON object; pass --eval-fraction and the other options")

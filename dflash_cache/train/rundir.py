@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
 from dflash_cache.folders import check_no_links_out
 from dflash_cache.lock import LOCK_DIR, FolderLock, make_folder
 from dflash_cache.store.manifest import spec_differences
@@ -53,7 +53,7 @@ def prepare_run_dir(out: Path, identity: dict, resume: bool) -> tuple[Path | Non
 def _check_resume(out: Path, identity: dict) -> Path:
     try:
         old = json.loads((out / RUN_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+    except JSON_FILE_ERRORS as e:
         raise DFlashCacheError(f"--resume: {out / RUN_FILE} is unreadable ({first_line(e)}); it is not a run this "
                                "dflash-cache wrote") from None
     if diff := spec_differences(old, json.loads(json.dumps(identity))):

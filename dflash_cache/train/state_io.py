@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError
 
 
 def save_state(state: object, directory: Path, name: str) -> None:
@@ -55,7 +55,7 @@ def load_state(directory: Path, name: str) -> object:
     try:
         structure = json.loads(json_path.read_text())
         tensors = load_file(tensor_path)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError) as e:
+    except (*JSON_FILE_ERRORS, SafetensorError) as e:
         raise DFlashCacheError(f"{directory}: unreadable training state ({e})") from None
 
     def decode(value: object) -> object:
