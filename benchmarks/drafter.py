@@ -4,7 +4,7 @@
                                  [--modes eager,compiled] [--steps 10] [--json FILE] [--profile DIR]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
-attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0, fused AdamW.
+attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0 inside fused AdamW (train/optim.py).
 Batches are the peer's own two (../shared/peer; `peer_batches`): packed samples of 1000-4000 tokens
 up to --tokens, the first 10-30% of each sample outside the loss mask, random hidden states and
 token ids, the same samples as the peer draws; --anchors anchors per batch; the two alternate.
@@ -35,6 +35,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.train.optim import clipped_step, gradient_norm
 
 
 PEER_SEED = 1234  # ../shared/peer/speculators_dflash_step.py's generator seed
@@ -116,8 +117,7 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
         out = runner(batch, anchors)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
     return out.loss.detach()
 
 

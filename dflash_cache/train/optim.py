@@ -19,6 +19,31 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
 
+def gradient_norm(parameters) -> torch.Tensor:
+    """The total 2-norm of the parameters' gradients (clip_grad_norm_'s, without the clipping)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:
+    """`optimizer.step()` on gradients clipped as clip_grad_norm_ clips them: scaled by
+    max_norm / (total_norm + 1e-6) where that is below 1. A fused AdamW divides each gradient by its
+    `grad_scale` (the attribute torch's GradScaler sets) as it reads it, so there the clipping makes
+    no pass over the gradients of its own (4 ms of a 255 ms drafter step on the H200, session 10)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    if all(group["fused"] for group in optimizer.param_groups):
+        divisor = ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+        optimizer.grad_scale = divisor.to(params[0].device)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    optimizer.step()
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """The multiplier of the base learning rate at optimizer step `step` (0-based)."""
     if step < warmup_steps:

@@ -67,7 +67,7 @@ from dflash_cache.train.distributed import (
 )
 from dflash_cache.train.metrics import MetricsLog
 from dflash_cache.train.model import build_drafter, drafter_config_for
-from dflash_cache.train.optim import build_optimizer, build_scheduler
+from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_step, gradient_norm
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
@@ -228,7 +228,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                         position["skipped"] += 1
                         optimizer.zero_grad(set_to_none=True)
                     else:
-                        optimizer.step()
+                        clipped_step(optimizer, torch.tensor(grad_norm), cfg.grad_clip)
                         optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     position["step"] += 1
@@ -284,7 +284,7 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
                               out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
                               torch.tensor(float(batch.num_tokens), device=me.device, dtype=torch.float64)])
         losses.append(out.loss.detach())
-    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.grad_clip)
+    grad_norm = gradient_norm(ddp.parameters())
     values = torch.cat([all_reduce_sum(stats), grad_norm.detach().double().reshape(1)]).tolist()
     return values[:STATS], values[STATS], losses
 
