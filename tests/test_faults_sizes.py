@@ -184,3 +184,63 @@ def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
     for command in ("inspect", "verify"):
         code, err = cli(command, cache)
         assert code == 1 and err.count("\n") == 1 and "manifest.json: unreadable manifest (maximum recursion" in err, err
+
+
+
+# Reads the tokenized data in a process of its own (a crash is then a return code); no tokenizer is
+# given, as nothing is to be tokenized: a file found damaged is an error, not made again.
+TOKENIZED = """
+import sys
+from dflash_cache import DFlashCacheError
+from dflash_cache.data.tokenized import tokenized_data
+try:
+    data = tokenized_data([sys.argv[1]], None, 64, "t" * 64, sys.argv[2], workers=0)
+    print([data.samples([i])[i].input_ids.tolist() for i in data.sample_ids.tolist()])
+except DFlashCacheError as e:
+    print(e)
+    raise SystemExit(1)
+"""
+
+
+@pytest.mark.parametrize("lie", ["values", "every length"])
+def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_path, tokenizer, lie):
+    """KEY.arrow (the tokenized data kept in --tokenized-dir) crafted so that its record batch's lengths
+    lie: a list's values declaring 2^40 entries over 47 was taken as damage and the file silently
+    tokenized again; a batch and its columns all declaring 2^20 rows (KEY.json saying so too) killed
+    the reader (SIGBUS) as it indexed the file."""
+    import struct
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_cache.data.tokenized import tokenized_data
+
+    data, folder = tmp_path / "tokens.parquet", tmp_path / "tok"
+    pq.write_table(pa.table({"input_ids": [list(range(100, 140)), list(range(200, 207))]}), data)
+    arrow = tokenized_data([data], tokenizer, 64, "t" * 64, folder, workers=0).path
+    run = lambda: subprocess.run([sys.executable, "-c", TOKENIZED, str(data), str(folder)],  # noqa: E731
+                                 capture_output=True, text=True, timeout=120)
+    read = run()  # the file as written reads back in the other process
+    assert read.returncode == 0 and read.stdout.strip() == str([list(range(100, 140)), list(range(200, 207))]), read
+    raw = bytearray(arrow.read_bytes())
+    if lie == "values":
+        node = raw.find(struct.pack("<qq", 47, 0))  # the input_ids values' field node: 47 entries, no nulls
+        assert node > 0
+        raw[node:node + 8] = struct.pack("<q", 1 << 40)
+        arrow.with_suffix(".index.npy").unlink()  # indexed again from the crafted file
+    else:  # the batch's length and its columns' field nodes: no other int64 in the file is 2
+        places = [i for i in range(len(raw) - 8) if raw[i:i + 8] == struct.pack("<q", 2)]
+        assert len(places) >= 5
+        for i in places:
+            raw[i:i + 8] = struct.pack("<q", 1 << 20)
+        info = arrow.with_suffix(".json")
+        info.write_text(json.dumps({**json.loads(info.read_text()), "rows": 1 << 20}))
+    arrow.write_bytes(bytes(raw))
+    result = run()
+    assert result.returncode == 1, (result.returncode, result.stderr[-500:])
+    assert result.stdout.startswith(f"{arrow}: unreadable data part-way through the file (") and result.stdout.count("\n") == 1, result.stdout
+    assert result.stdout.rstrip().endswith("; delete it and rerun to tokenize the data again"), result.stdout
+    assert arrow.read_bytes() == raw  # not silently made again

@@ -271,7 +271,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
-    yield from _read_batches(_guard(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path)
+    yield from _read_batches(validated_batches(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path)
 
 
 def _read_arrow(path: Path) -> Iterator[Record]:
@@ -286,19 +286,20 @@ def _read_arrow(path: Path) -> Iterator[Record]:
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: not a readable Arrow IPC file ({first_line(e)})") from None
     _check_schema(schema, path)
-    yield from _read_batches(_guard(batches, path), path)
+    yield from _read_batches(validated_batches(batches, path), path)
 
 
-def _guard(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[pa.RecordBatch]:
-    """Turn Arrow errors raised part-way through a file (truncation, corruption) into user errors.
-    Each batch is validated first: Arrow reads lengths and offsets as the file declares them, and a
-    file declaring a length of -1 aborted or crashed the process (SIGABRT, SIGSEGV) as it was read."""
+def validated_batches(batches: Iterator[pa.RecordBatch], path: Path, hint: str = "") -> Iterator[pa.RecordBatch]:
+    """Turn Arrow errors raised part-way through a file (truncation, corruption) into user errors
+    (`hint` appended). Each batch is validated first: Arrow reads lengths and offsets as the file
+    declares them, and a file declaring a length of -1 aborted or crashed the process (SIGABRT,
+    SIGSEGV) as it was read."""
     try:
         for batch in batches:
             batch.validate(full=True)
             yield batch
     except (pa.ArrowException, OSError) as e:
-        raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({first_line(e)})") from None
+        raise DFlashCacheError(f"{path}: unreadable data part-way through the file ({first_line(e)}){hint}") from None
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> list[str]:

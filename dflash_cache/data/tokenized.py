@@ -189,7 +189,7 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
         if not reader.schema.equals(SCHEMA):
             return None
-        rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        rows = sum(batch.num_rows for batch in _batches(reader, path))
         if type(info["rows"]) is not int or rows != info["rows"]:
             return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
@@ -213,8 +213,7 @@ def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
                 reader = pa.ipc.open_file(source)
                 out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(len(INDEX_ROWS), rows))
                 at = 0
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
+                for batch in _batches(reader, arrow):
                     out[:, at : at + batch.num_rows] = _batch_index(batch, base)
                     at += batch.num_rows
             out.flush()
@@ -231,6 +230,13 @@ def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
             tmp.unlink(missing_ok=True)
         index = _load_index(path, rows, arrow.stat().st_size)
     return index
+
+
+def _batches(reader: pa.RecordBatchFileReader, path: Path) -> Iterator[pa.RecordBatch]:
+    """The file's record batches, each validated before its columns are read: a file whose lengths lie
+    (a batch of 2^20 rows over buffers of 2) crashed the reader (SIGBUS) or was silently made again."""
+    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return readers.validated_batches(batches, path, "; delete it and rerun to tokenize the data again")
 
 
 def _batch_index(batch: pa.RecordBatch, base: int) -> np.ndarray:
