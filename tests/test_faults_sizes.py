@@ -2,6 +2,7 @@
 cache) that would make a reader allocate terabytes before a row is read: refused in one line."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -45,21 +46,87 @@ def test_a_sample_longer_than_max_length_is_a_malformed_manifest(tmp_path):
         assert code == 1 and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("codec, match", [
-    ("bf16", "corrupt bf16 payload: 1920 bytes cannot hold 8246337208320 bytes of planes"),
-    ("bf16-zstd", "corrupt bf16-zstd payload: .* bytes cannot hold 8246337208320 bytes of planes"),
-    ("fp8-zstd", "corrupt fp8-zstd payload: its zstd frame declares 960 bytes, expected 4123168604160"),
+def write_wide_cache(root, hidden_size: int, num_tokens: int = 30, layers: int = 2) -> None:
+    """A complete fp8-zstd cache of one sample whose spec declares `hidden_size` and whose zstd frame
+    truly decodes to num_tokens x layers x hidden_size bytes (all zeros: zstd shrinks them 30,000x),
+    written by the cache's own writer: its checksums, sha256 and manifest are all as extract makes them."""
+    import numpy as np
+
+    from dflash_cache.store.codecs import compress
+    from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+    from dflash_cache.store.schema import Row
+    from dflash_cache.store.shard import ShardWriter
+
+    spec = random_spec(codec="fp8-zstd", layer_ids=tuple(range(1, layers + 1)), hidden_size=hidden_size)
+    writer = ShardWriter(root, rank=0, spec=spec)
+    ids = np.arange(num_tokens, dtype=np.int32)
+    writer.append(Row(sample_id=0, input_ids=ids, loss_mask=np.ones(num_tokens, bool), target_ids=ids,
+                      hidden=compress(np.zeros(num_tokens * layers * hidden_size, np.uint8), "fp8-zstd"),
+                      hidden_scales=np.ones((num_tokens, layers), np.float32).tobytes()))
+    writer.commit()
+    write_manifest(root, build_manifest(read_journals(root)))
+
+
+def test_a_width_the_shards_bytes_cannot_hold_is_refused_where_the_manifest_is_read(tmp_path):
+    """A 5.3 KB cache whose spec says hidden size 2^20 and whose frame truly decodes to the 60 MiB a row
+    of 30 tokens then takes: every reader sized its buffers by the width and decoded it (`verify` passed,
+    1.0 GB resident at its peak; at hidden size 2^26 a row is 4 GB). fp8-zstd shrinks activations
+    1.2x; the rule allows 16x."""
+    root = tmp_path / "cache"
+    write_wide_cache(root, hidden_size=1 << 20)
+    size = (root / "shards" / "r0-00000.arrow").stat().st_size
+    assert size < 8000
+    message = (f"malformed manifest (spec.target.hidden_size 1048576 x 2 layer_ids is too wide for shard "
+               f"shards/r0-00000.arrow: its 30 tokens would decode to 62914560 bytes, more than its {size} bytes can "
+               "hold (fp8-zstd decodes at most 16 bytes a stored byte))")
+    with pytest.raises(DFlashCacheError, match=re.escape(f"{root / 'manifest.json'}: {message}")):
+        open_cache(root)
+    from tests.test_train_helpers import drafter_json
+
+    train = ["train", "--cache", root, "--out", tmp_path / "run", "--drafter", drafter_json(tmp_path / "d.json"),
+             "--steps", 1, "--token-budget", 128, "--max-anchors", 8]
+    for command in (["inspect", root, "--sample", 0], ["verify", root], train):
+        code, err = cli(*command)
+        assert code == 1 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+    # The same file at a width it can hold is read (its rows are all zeros).
+    honest = tmp_path / "honest"
+    write_wide_cache(honest, hidden_size=64)
+    assert not open_cache(honest)[0].hidden.any()
+
+
+@pytest.mark.parametrize("codec, hidden_size, match", [
+    ("bf16", 1 << 36, "bf16 decodes at most 1 bytes"),
+    ("bf16-zstd", 1 << 36, "bf16-zstd decodes at most 2 bytes"),
+    ("fp8-zstd", 1 << 36, "fp8-zstd decodes at most 16 bytes"),
+    ("bf16", 17, "corrupt bf16 payload: 1920 bytes cannot hold 2040 bytes of planes"),
+    ("fp8-zstd", 17, "corrupt fp8-zstd payload: its zstd frame declares 960 bytes, expected 1020"),
 ])
-def test_a_hidden_size_of_2_36_is_refused_before_its_buffer_is_allocated(tmp_path, codec, match):
-    """30 tokens x 2 layers x 2^36: 7.5 TiB of planes were allocated first (MemoryError, or with
-    overcommit a buffer as large as the claim) and the payload checked after."""
+def test_a_wider_hidden_size_is_refused_before_its_buffer_is_allocated(tmp_path, codec, hidden_size, match):
+    """Hidden size 16 edited (checksum recomputed): 2^36 made 30 tokens x 2 layers 7.5 TiB of planes,
+    allocated first (MemoryError, or with overcommit a buffer as large as the claim); it is now too wide
+    for the shard's bytes. A width the bytes could hold (17) is refused by each row's payload check."""
     root = tmp_path / "cache"
     write_random_cache(root, [30], random_spec(codec=codec, hidden_size=16), rows_per_shard=1)
-    edited(root, lambda manifest: manifest["spec"]["target"].update(hidden_size=1 << 36))
-    with pytest.raises(DFlashCacheError, match=match):
+    edited(root, lambda manifest: manifest["spec"]["target"].update(hidden_size=hidden_size))
+    with pytest.raises(DFlashCacheError, match=re.escape(match)):
         open_cache(root)[0]
     code, err = cli("verify", root)
-    assert code == 1 and err.count("\n") == 1 and "payload" in err, err
+    assert code == 1 and err.count("\n") == 1 and match in err, err
+
+
+def test_a_row_of_another_length_than_the_manifest_says_is_refused(tmp_path):
+    """The width is checked against the manifest's token counts, so every reader holds a row to its count
+    (`cache[i]`, as `inspect --sample` reads, took the row's own: 30 tokens where the manifest says 29)."""
+    root = tmp_path / "cache"
+    write_random_cache(root, [30], random_spec(), rows_per_shard=1)
+
+    def shorter(manifest):
+        manifest["shards"][0].update(num_tokens=[29], tokens=29)
+
+    edited(root, shorter)
+    with pytest.raises(DFlashCacheError, match="r0-00000.arrow: row 0 holds 30 tokens, the manifest says 29"):
+        open_cache(root)[0]
 
 
 def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tmp_path):

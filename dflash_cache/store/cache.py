@@ -272,6 +272,9 @@ class Cache:
             raise DFlashCacheError(f"{path}: row {r} holds sample {row.sample_id}, the manifest says {sample_id}")
         if not row.check():
             raise DFlashCacheError(f"{path}: row {r} (sample {sample_id}) fails its checksum")
+        if len(row.input_ids) != self._lengths[sample_id]:  # the width was checked against the manifest's counts
+            raise DFlashCacheError(f"{path}: row {r} holds {len(row.input_ids)} tokens, the manifest says "
+                                   f"{self._lengths[sample_id]}")
         if row.record_id != self.record_id(sample_id):
             raise DFlashCacheError(f"{path}: row {r} holds record id {row.record_id!r}, the manifest says "
                                    f"{self.record_id(sample_id)!r}")

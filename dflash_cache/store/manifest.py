@@ -22,7 +22,7 @@ from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.lock import FolderLock
 from dflash_cache.rowbits import RowBits
-from dflash_cache.store.codecs import CODECS
+from dflash_cache.store.codecs import CODECS, MAX_EXPANSION, encoded_size
 from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
@@ -356,6 +356,7 @@ def parse_manifest(data: bytes, path: str) -> dict:
         # (2^40 tokens in a manifest someone shared) would be allocated first and checked after.
         if not _counts([spec["max_length"]]) or any(s.num_tokens and max(s.num_tokens) > spec["max_length"] for s in shards):
             raise ValueError(f"a shard lists a sample longer than the spec's max_length {spec['max_length']!r}")
+        _check_width(spec, shards)
         target_file_list(manifest.get("target_files", {}))
     except (KeyError, TypeError, ValueError) as e:
         raise DFlashCacheError(f"{path}: malformed manifest ({e}); {REBUILD}") from None
@@ -364,6 +365,21 @@ def parse_manifest(data: bytes, path: str) -> dict:
         raise DFlashCacheError(f"{path}: {problem} (edited by hand or damaged); {REBUILD}")
     manifest["shards"] = shards
     return manifest
+
+
+def _check_width(spec: dict, shards: list[ShardRecord]) -> None:
+    """The spec's width (layer ids x hidden size) must fit the bytes of every shard: readers size a
+    row's (and a batch's) buffers by it before the row is read, and a small shared file could otherwise
+    declare a width whose zstd frames truly decode to GBs a row. A shard of T tokens holds T x width
+    values as at least their planes' bytes / MAX_EXPANSION bytes; its size is checked by every reader
+    before a row is read."""
+    codec, layers, hidden = spec["codec"], len(spec["layer_ids"]), spec["target"]["hidden_size"]
+    for s in shards:
+        planes = encoded_size(codec, s.tokens, layers * hidden)
+        if planes > MAX_EXPANSION[codec] * s.bytes:
+            raise ValueError(f"spec.target.hidden_size {hidden} x {layers} layer_ids is too wide for shard {s.path}: its "
+                             f"{s.tokens} tokens would decode to {planes} bytes, more than its {s.bytes} bytes can hold "
+                             f"({codec} decodes at most {MAX_EXPANSION[codec]} bytes a stored byte)")
 
 
 def spec_differences(a: dict, b: dict, ignore: frozenset[str] = frozenset(), prefix: str = "") -> list[str]:
