@@ -1,6 +1,8 @@
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,21 @@ from tests.tiny import build_target, build_tokenizer, write_conversations
 
 # Tokenized data goes to a folder of this session (subprocesses inherit it), not the user's cache.
 os.environ["DFLASH_CACHE_TOKENIZED_DIR"] = tempfile.mkdtemp(prefix="dflash-cache-tokenized-")
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    """Tests start the CLI as `python -m dflash_cache_cli.main`, which imports `cli/` from wherever
+    this venv's editable install points: a venv made for another worktree runs that worktree's CLI
+    against this one's library and tests (one of the resume flake's three sightings, session 9).
+    Refuse to start then."""
+    import dflash_cache_cli
+
+    found = Path(dflash_cache_cli.__file__).resolve().parent
+    if found != CHECKOUT / "cli":
+        pytest.exit(f"dflash_cache_cli is imported from {found}, not this checkout's {CHECKOUT / 'cli'}: run "
+                    f"`{sys.executable} -m pip install -e {CHECKOUT}` or use this checkout's venv", returncode=4)
 
 
 def pytest_unconfigure(config):

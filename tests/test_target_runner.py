@@ -188,3 +188,23 @@ def test_a_sample_that_does_not_fit_alone_names_itself(qwen3_target_dir):
     with pytest.raises(SampleOutOfMemory, match="sample 100 \\(30 tokens\\)") as info:
         list(run_with_split(runner, PackedLayout(128), samples_of([30, 4, 12, 20, 7], target.vocab_size), "cpu"))
     assert info.value.sample_id == 100
+
+
+@pytest.mark.parametrize("layout", [PackedLayout(384), BucketLayout(token_budget=768, max_length=256)], ids=["packed", "padded"])
+def test_a_batch_gives_the_same_bits_with_any_thread_count(qwen3_target_dir, layout):
+    """Extraction leaves torch's thread count alone, and a resumed run may have another (two ranks
+    sharing a node's cores): the same batch comes out bit for bit the same on 1, 2 or 3 CPU threads."""
+    target = load_target(qwen3_target_dir, "cpu", attention=layout.attention)
+    runner = TargetRunner(target, [1, 4])
+    samples = samples_of([200, 120, 40], target.vocab_size)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(runner.run_batch(layout.build(samples, "cpu")))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outputs[1:]:
+        assert torch.equal(out.hidden.view(torch.int16), outputs[0].hidden.view(torch.int16))
+        assert torch.equal(out.target_ids, outputs[0].target_ids)
