@@ -18,7 +18,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 def pytest_configure(config):
     """Tests start the CLI as `python -m dflash_cache_cli.main`, which imports `cli/` from wherever
     this venv's editable install points: a venv made for another worktree runs that worktree's CLI
-    against this one's library and tests (one of the resume flake's three sightings, session 9).
+    against this one's library and tests (a resume test failed so in session 9).
     Refuse to start then."""
     import dflash_cache_cli
 
