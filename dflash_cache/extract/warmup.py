@@ -215,7 +215,8 @@ def warm_up(runner: TargetRunner, layout: Layout, device: torch.device | str, fo
         # Nothing to compile, but under load a CPU process's first forward has come out different from
         # every later one (docs/FAULTS.md, "Not covered"): it runs on dummy rows, its outputs dropped.
         started = time.perf_counter()
-        TargetRunner(runner.target, runner.layer_ids, topk=runner.topk, fused=runner.fused).run_batch(layout.build(samples, device))
+        own = TargetRunner(runner.target, runner.layer_ids, topk=runner.topk, fused=runner.fused)
+        own.run_batch(layout.build(samples, device))
         return time.perf_counter() - started
     with node_lock(folder), parallel_autotune(compile_threads()):
         started = time.perf_counter()
