@@ -1,10 +1,16 @@
 """Drafter training-step throughput and model-FLOPs utilisation, eager and compiled.
 
     python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
-                                 [--modes eager,compiled] [--steps 10] [--json FILE] [--profile DIR]
+                                 [--modes plain,eager,compiled] [--steps 10] [--json FILE] [--profile DIR]
+                                 [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
 attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0 inside fused AdamW (train/optim.py).
+Modes: eager (what `train` runs without --compile: on a GPU the decoder layers, context projection and
+loss math are regions compiled for dynamic shapes), plain (eager without the regions: the module as
+written, only flex-attention compiled) and compiled (`train --compile`: the whole drafter, padded).
+--peer runs the peer's step first, in its own process, with this run's T and MAX_ANCHORS, and prints
+each mode's tokens/s as a ratio to the peer's real tokens/s.
 Batches are the peer's own two (../shared/peer; `peer_batches`): packed samples of 1000-4000 tokens
 up to --tokens, the first 10-30% of each sample outside the loss mask, random hidden states and
 token ids, the same samples as the peer draws; --anchors anchors per batch; the two alternate.
@@ -21,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -123,7 +132,8 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
 
 def run_mode(mode: str, args, config, device: str) -> dict:
     model, optimizer = random_drafter(config, device)
-    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
+    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
+                           regions=False if mode == "plain" else None)
     batches = peer_batches(config, args.tokens, device)
     g = torch.Generator(device=device).manual_seed(0)
     anchors = [sample_anchors(batch, config.block_size, args.anchors, g, max_total=args.anchors) for batch in batches]
@@ -135,7 +145,8 @@ def run_mode(mode: str, args, config, device: str) -> dict:
     started = time.perf_counter()
     for k in range(args.warmup):
         step(k)
-    sync()
+        sync()
+        print(f"  {mode} warm-up step {k + 1}/{args.warmup}: {time.perf_counter() - started:.1f} s", flush=True)
     warmup_s = time.perf_counter() - started
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -177,12 +188,33 @@ def run_mode(mode: str, args, config, device: str) -> dict:
     }
 
 
+def run_peer(command: str, tokens: int, anchors: int, timeout: float = 600.0) -> dict:
+    """The peer's JSON line, from `command` run with T and MAX_ANCHORS set to ours. The process is
+    stopped once it has printed that line (it was seen to linger a minute after printing it)."""
+    env = {**os.environ, "T": str(tokens), "MAX_ANCHORS": str(anchors)}
+    proc = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                result = json.loads(line)
+                if "real_tokens_per_s" in result:
+                    return result
+            if time.monotonic() > deadline:
+                break
+        raise SystemExit(f"the peer printed no result line (exit {proc.poll()}): {command}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-27b", help="drafter preset or JSON file")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--anchors", type=int, default=512)
-    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, plain, compiled")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak used for MFU (measured on an H200)")
@@ -190,20 +222,30 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, default=None,
                         help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here")
+    parser.add_argument("--peer", default=None, help="the peer's command, run first (T and MAX_ANCHORS are set to ours)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     results = []
+    peer = run_peer(args.peer, args.tokens, args.anchors) if args.peer else None
+    if peer:
+        print(f"    peer: {peer['real_tokens_per_s']:>9,.0f} real tokens/s  MFU {peer.get('mfu', 0):.1%}  step {peer['step_ms']:.1f} ms  "
+              f"peak {peer.get('peak_mem_gb') or 0:.1f} GB  ({peer['real_tokens_per_step']:.0f} tokens, "
+              f"{peer.get('anchors_per_step', 0):.0f} anchors; loss {peer.get('loss_first', 0):.3f} -> {peer.get('loss_last', 0):.3f})",
+              flush=True)
     for mode in args.modes.split(","):
         result = run_mode(mode, args, config, args.device)
         results.append(result)
-        print(f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "
+        if peer:
+            result["vs_peer"] = result["tokens_per_s"] / peer["real_tokens_per_s"]
+        ratio = f" = {result['vs_peer']:.3f}x the peer" if peer else ""
+        print(f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s{ratio}  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "
               f"masks {result['mask_ms']:.2f} ms ({result['mask_share']:.1%} of the step)  peak {result['peak_mem_gb'] or 0:.1f} GB  "
               f"({result['tokens_per_step']:.0f} tokens, {result['anchors_per_step']:.0f} anchors; loss {result['loss_first']:.3f} -> {result['loss_last']:.3f})",
               flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps({"preset": args.preset, "results": results}, indent=2))
+        args.json.write_text(json.dumps({"preset": args.preset, "peer": peer, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

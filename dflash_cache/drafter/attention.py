@@ -8,20 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_cache.drafter.regions import region
+
 
 def compile_flex_attention(backend: str = "inductor"):
-    """One kernel for every batch shape (the CPU tests audit its guards under aot_eager).
-
-    Without duck shaping: when a batch's query count is a whole number of tiles, the mask's padded
-    arrays have that same size, and duck shaping would tie the two sizes into one symbol, so the
-    next batch with a partial tile compiled again (seen at step 212 of 500 on an H200)."""
-    compiled = torch.compile(flex_attention, dynamic=True, backend=backend)
-
-    def kernel(*args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
-
-    return kernel
+    """One kernel for every batch shape, for the drafter's calls outside a compiled region (the CPU
+    tests audit its guards under aot_eager)."""
+    return region(flex_attention, backend)
 
 
 compiled_flex_attention = compile_flex_attention()

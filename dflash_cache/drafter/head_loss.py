@@ -3,52 +3,69 @@
 Full logits for 512 blocks x 15 slots x a 248K vocabulary would take gigabytes; here each chunk's
 logits live only inside the forward. Because the head is frozen, the gradient with respect to the
 drafter's states, (softmax - onehot) * row_weight @ W, is computed in the same pass and kept for
-backward: no logits are stored and none are recomputed.
+backward: no logits are stored and none are recomputed. The per-chunk math (`chunk_terms`) is a
+plain function of tensors, so that the eager drafter can run it as a compiled region.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 LOGITS_PER_CHUNK = 1 << 28  # fp32 logits elements per chunk (1 GiB)
 
 
-class HeadCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, chunk_rows: int):
-        """states [R, H], weight [V, H] (frozen), labels [R], row_weights [R].
+def chunk_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+                with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: (sum_r row_weights[r] * CE_r, argmax predictions [r], gradient wrt states [r, H] or None)."""
+    logits = (states.to(weight.dtype) @ weight.T).float()
+    label = labels[:, None]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    scale = row_weights[:, None].float()
+    loss = ((lse - logits.gather(1, label)) * scale).sum()
+    predictions = logits.argmax(-1)
+    if not with_grad:
+        return loss, predictions, None
+    probs = logits.sub_(lse).exp_()
+    probs.scatter_add_(1, label, torch.full_like(label, -1, dtype=probs.dtype))
+    return loss, predictions, probs.mul_(scale).to(weight.dtype) @ weight
 
-        Returns (sum_r row_weights[r] * CE_r, argmax predictions [R])."""
-        rows = states.shape[0]
-        loss = states.new_zeros((), dtype=torch.float32)
-        predictions = torch.empty(rows, dtype=torch.long, device=states.device)
-        grad = torch.empty_like(states) if ctx.needs_input_grad[0] else None
-        for start in range(0, rows, chunk_rows):
-            end = min(start + chunk_rows, rows)
-            logits = (states[start:end].to(weight.dtype) @ weight.T).float()
-            label = labels[start:end, None]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            scale = row_weights[start:end, None].float()
-            loss = loss + ((lse - logits.gather(1, label)) * scale).sum()
-            predictions[start:end] = logits.argmax(-1)
-            if grad is not None:
-                probs = logits.sub_(lse).exp_()
-                probs.scatter_add_(1, label, torch.full_like(label, -1, dtype=probs.dtype))
-                grad[start:end] = probs.mul_(scale).to(weight.dtype) @ weight
-        ctx.mark_non_differentiable(predictions)
+
+class WithGradient(torch.autograd.Function):
+    """`loss` as a function of `states` whose gradient, `grad`, was computed ahead."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(grad)
-        return loss, predictions
+        return loss.clone()
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_predictions: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss).to(grad.dtype), None, None, None, None
+        return (grad * grad_loss).to(grad.dtype), None, None
 
 
 def head_cross_entropy(
-    states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, chunk_rows: int | None = None
+    states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+    chunk_rows: int | None = None, terms: Callable = chunk_terms,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted CE sum over rows, argmax predictions) for states [R, H] through the head weight [V, H]."""
+    """(weighted CE sum over rows, argmax predictions) for states [R, H] through the head weight [V, H].
+
+    The rows are cut into chunks of near-equal size (at most `chunk_rows`), so that a region compiled
+    for dynamic shapes never sees a chunk of one row, a size it would specialise on."""
+    rows = states.shape[0]
+    if rows == 0:
+        return states.sum(dtype=torch.float32) * 0, labels.new_zeros(0)
     if chunk_rows is None:
         chunk_rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
-    return HeadCrossEntropy.apply(states, weight.detach(), labels, row_weights, chunk_rows)
+    with_grad = states.requires_grad and torch.is_grad_enabled()
+    chunks = -(-rows // chunk_rows)
+    with torch.no_grad():
+        parts = [terms(s, weight.detach(), l, w, with_grad) for s, l, w in
+                 zip(states.detach().tensor_split(chunks), labels.tensor_split(chunks), row_weights.tensor_split(chunks))]
+    loss = torch.stack([part[0] for part in parts]).sum()
+    predictions = torch.cat([part[1] for part in parts])
+    if with_grad:
+        loss = WithGradient.apply(states, loss, torch.cat([part[2] for part in parts]))
+    return loss, predictions

@@ -9,10 +9,11 @@ draft is accepted only up to its first miss. The loss is the weighted mean over 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from dflash_cache.drafter.head_loss import head_cross_entropy
+from dflash_cache.drafter.head_loss import chunk_terms, head_cross_entropy
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.errors import DFlashCacheError
 
@@ -59,14 +60,17 @@ def acceptance(hits: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def drafter_loss(
-    states: torch.Tensor, lm_head: torch.Tensor, inputs: DraftInputs, gamma: float, labels: str = "target"
+    states: torch.Tensor, lm_head: torch.Tensor, inputs: DraftInputs, gamma: float, labels: str = "target",
+    terms: Callable = chunk_terms,
 ) -> DrafterLoss:
-    """states [A, B, H]: the drafter's final hidden states of every block (slot 0 is not scored)."""
+    """states [A, B, H]: the drafter's final hidden states of every block (slot 0 is not scored);
+    `terms` the head loss's per-chunk math (a compiled region in the eager drafter)."""
     a, b, h = states.shape
     wanted, counted = block_labels(inputs, b, labels)
     weights = slot_weights(b, gamma, states.device)[None, :] * counted
     row_weights = (weights / weights.sum().clamp_min(1e-6)).reshape(-1)
-    loss, predictions = head_cross_entropy(states[:, 1:].reshape(-1, h), lm_head, wanted.reshape(-1), row_weights)
+    loss, predictions = head_cross_entropy(states[:, 1:].reshape(-1, h), lm_head, wanted.reshape(-1), row_weights,
+                                           terms=terms)
     hits = predictions.view(a, b - 1) == wanted
     tau, num_blocks = acceptance(hits, counted)
     return DrafterLoss(

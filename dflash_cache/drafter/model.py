@@ -18,9 +18,11 @@ from torch import nn
 from dflash_cache.drafter.attention import attend
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.head_loss import chunk_terms
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.loss import DrafterLoss, drafter_loss
 from dflash_cache.drafter.masks import BatchMasks, BlockLayout
+from dflash_cache.drafter.regions import region
 from dflash_cache.errors import DFlashCacheError
 
 
@@ -112,7 +114,8 @@ class DFlashDrafter(nn.Module):
 
     attention="flex" uses flex-attention, except on the CPU with gradients enabled (flex-attention has
     no CPU backward), where it falls back to the dense reference; attention="dense" always uses the
-    reference. `tile` is the BlockMask tile size."""
+    reference. `tile` is the BlockMask tile size. `compile_regions` turns the eager drafter's hot parts
+    into regions compiled for dynamic shapes (drafter/regions.py)."""
 
     def __init__(self, config: DrafterConfig, head: TargetHead | None = None, attention: str = "flex", tile: int = 128):
         super().__init__()
@@ -125,7 +128,20 @@ class DFlashDrafter(nn.Module):
         self.head = head
         self.attention = attention
         self.tile = tile
+        self.loss_terms = chunk_terms
+        self.regions_backend = None
         self.reset_parameters()
+
+    def compile_regions(self, backend="inductor") -> None:
+        """Each decoder layer, the context projection and the loss's per-chunk math become regions
+        compiled for dynamic shapes; once per drafter."""
+        if self.regions_backend is not None:
+            return
+        for layer in self.layers:
+            layer.forward = region(layer.forward, backend)
+        self.project_context = region(self.project_context, backend)
+        self.loss_terms = region(chunk_terms, backend)
+        self.regions_backend = backend
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():
@@ -158,7 +174,7 @@ class DFlashDrafter(nn.Module):
         masks = self.masks(inputs) if masks is None else masks
         config, dtype = self.config, self.compute_dtype(inputs.hidden.device)
         a, b = inputs.anchors.shape[0], config.block_size
-        context = self.hidden_norm(self.fc(inputs.hidden.to(dtype)))
+        context = self.project_context(inputs.hidden.to(dtype))
 
         slot = torch.arange(b, device=inputs.anchors.device)
         tokens = torch.where(slot == 0, inputs.input_ids[inputs.anchors][:, None], config.mask_token_id)
@@ -171,7 +187,11 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context, rope_q, rope_kv, masks.by_type[kind])
         return self.norm(x).unflatten(0, (a, b))
 
+    def project_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, L*H_target] target hidden states -> [N, H] context."""
+        return self.hidden_norm(self.fc(hidden))
+
     def forward(
         self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target"
     ) -> DrafterLoss:
-        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels)
+        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels, self.loss_terms)

@@ -1,8 +1,9 @@
 """Run a drafter on a FeatureBatch, eagerly or compiled.
 
-Eager (default): the module runs as is, on shapes that change every batch; only the flex-attention
-kernel is compiled, once, for dynamic shapes. Compiled: the module runs under `torch.compile` on
-inputs padded to a fixed token and anchor budget, so one graph serves every batch.
+Eager (default): the module runs on shapes that change every batch, with no padding; on a GPU its
+decoder layers, context projection and loss math run as regions compiled once for dynamic shapes
+(drafter/regions.py). Compiled: the module runs under `torch.compile` on inputs padded to a fixed
+token and anchor budget, so one graph serves every batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dflash_cache.errors import DFlashCacheError
 
 
 class DrafterRunner:
-    """`module` is a DFlashDrafter or a wrapper with the same forward (DDP)."""
+    """`module` is a DFlashDrafter or a wrapper with the same forward (DDP). `regions` (eager only)
+    defaults to on where the drafter's weights are on a GPU."""
 
     def __init__(
         self,
@@ -26,6 +28,7 @@ class DrafterRunner:
         token_budget: int | None = None,
         anchor_budget: int | None = None,
         backend: str = "inductor",
+        regions: bool | None = None,
     ):
         if compiled and (token_budget is None or anchor_budget is None):
             raise DFlashCacheError("the compiled drafter needs a token budget and an anchor budget.")
@@ -34,6 +37,10 @@ class DrafterRunner:
         self.token_budget = token_budget
         self.anchor_budget = anchor_budget
         self.forward = torch.compile(module, dynamic=False, backend=backend) if compiled else module
+        if regions is None:
+            regions = not compiled and next(self.drafter.parameters()).device.type == "cuda"
+        if regions:
+            self.drafter.compile_regions(backend)
 
     def __call__(self, batch: FeatureBatch, anchors: torch.Tensor, gamma: float = 7.0, labels: str = "target") -> DrafterLoss:
         inputs = DraftInputs.build(batch, anchors)
