@@ -10,7 +10,7 @@ import torch
 
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
-from dflash_cache.drafter.head_loss import chunk_terms, head_cross_entropy
+from dflash_cache.drafter.head_loss import chunk_sizes, chunk_terms, head_cross_entropy
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from tests.test_drafter_helpers import random_batch, random_head, tiny_config
@@ -83,7 +83,11 @@ def test_a_whole_drafter_compile_traces_through_the_regions():
     assert len(graphs) == 1
 
 
-def test_head_loss_chunks_are_near_equal_and_never_a_single_row():
+def test_head_loss_chunks_are_whole_tiles_and_never_a_single_row():
+    assert chunk_sizes(7680, 1081) == [1024] * 7 + [512]  # the 27B drafter's 512 anchors, 248,320 logits a row
+    assert chunk_sizes(2 * 1024 + 5, 1081) == [1024, 1029]
+    assert chunk_sizes(15, 1081) == [15] and chunk_sizes(1024, 1081) == [1024]
+
     g = torch.Generator().manual_seed(0)
     states = torch.randn(7, 8, generator=g, requires_grad=True)
     weight, labels, row_weights = torch.randn(11, 8, generator=g), torch.randint(0, 11, (7,), generator=g), torch.rand(7, generator=g)
@@ -94,7 +98,7 @@ def test_head_loss_chunks_are_near_equal_and_never_a_single_row():
         return chunk_terms(s, *args)
 
     loss, predictions = head_cross_entropy(states, weight, labels, row_weights, chunk_rows=3, terms=recording)
-    assert sizes == [3, 2, 2]
+    assert sizes == [3, 4]
     logits = states @ weight.T
     expected = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * row_weights).sum()
     torch.testing.assert_close(loss, expected)

@@ -46,24 +46,35 @@ class WithGradient(torch.autograd.Function):
         return (grad * grad_loss).to(grad.dtype), None, None
 
 
+def chunk_sizes(rows: int, chunk_rows: int, tile: int = 128, least: int = 16) -> list[int]:
+    """Rows per chunk: see head_cross_entropy."""
+    chunk = chunk_rows // tile * tile if chunk_rows >= tile else chunk_rows
+    sizes = [chunk] * (rows // chunk)
+    tail = rows - chunk * len(sizes)
+    if tail and tail < least and sizes:
+        sizes[-1] += tail
+    elif tail:
+        sizes.append(tail)
+    return sizes
+
+
 def head_cross_entropy(
     states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
     chunk_rows: int | None = None, terms: Callable = chunk_terms,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted CE sum over rows, argmax predictions) for states [R, H] through the head weight [V, H].
 
-    The rows are cut into chunks of near-equal size (at most `chunk_rows`), so that a region compiled
-    for dynamic shapes never sees a chunk of one row, a size it would specialise on."""
+    Chunks are a whole number of 128-row tiles (the head's matmuls run best so), of at most
+    `chunk_rows` rows; a remainder of fewer than 16 rows joins the last chunk, so that a region
+    compiled for dynamic shapes never sees a chunk of one row, a size it would specialise on."""
     rows = states.shape[0]
     if rows == 0:
         return states.sum(dtype=torch.float32) * 0, labels.new_zeros(0)
-    if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+    sizes = chunk_sizes(rows, chunk_rows or max(1, LOGITS_PER_CHUNK // weight.shape[0]))
     with_grad = states.requires_grad and torch.is_grad_enabled()
-    chunks = -(-rows // chunk_rows)
     with torch.no_grad():
         parts = [terms(s, weight.detach(), l, w, with_grad) for s, l, w in
-                 zip(states.detach().tensor_split(chunks), labels.tensor_split(chunks), row_weights.tensor_split(chunks))]
+                 zip(states.detach().split(sizes), labels.split(sizes), row_weights.split(sizes))]
     loss = torch.stack([part[0] for part in parts]).sum()
     predictions = torch.cat([part[1] for part in parts])
     if with_grad:

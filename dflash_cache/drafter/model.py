@@ -161,8 +161,8 @@ class DFlashDrafter(nn.Module):
         return self.fc.weight.dtype
 
     def masks(self, inputs: DraftInputs) -> BatchMasks:
-        """This batch's attention masks. Built outside the compiled region, so that a compiled drafter
-        sees them as inputs."""
+        """This batch's attention masks (the eager runner builds them outside the regions; the compiled
+        drafter inside its graph)."""
         layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, self.config.block_size, self.tile)
         dense = self.attention == "dense" or (layout.q_seq.device.type == "cpu" and torch.is_grad_enabled())
         return BatchMasks.build(layout, self.config.layer_types, self.config.sliding_window, dense, self.tile)

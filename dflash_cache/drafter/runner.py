@@ -46,4 +46,7 @@ class DrafterRunner:
         inputs = DraftInputs.build(batch, anchors)
         if self.compiled:
             inputs = inputs.padded(self.token_budget, self.anchor_budget, self.drafter.config.block_size)
-        return self.forward(inputs, self.drafter.masks(inputs), gamma=gamma, labels=labels)
+        # The compiled drafter builds its masks inside its graph: built outside, their dozens of small
+        # kernels ran while the GPU waited.
+        masks = None if self.compiled else self.drafter.masks(inputs)
+        return self.forward(inputs, masks, gamma=gamma, labels=labels)
