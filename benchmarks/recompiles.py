@@ -13,8 +13,9 @@ backend, failed guards with their text, frames left to eager) separately for the
 and for every step after; the claim checked is that nothing compiles after the warm-up. Each mode
 starts from `torch._dynamo.reset()`.
 
-Eager mode compiles only the flex-attention kernel, for dynamic shapes, on CUDA; on the CPU it trains
-through the dense reference attention (flex-attention has no CPU backward) and compiles nothing.
+Eager mode compiles its regions (drafter/regions.py: each decoder layer, the context projection, the
+loss math) for dynamic shapes on CUDA; on the CPU it trains through the dense reference attention
+(flex-attention has no CPU backward) and compiles nothing.
 Compiled mode compiles the whole drafter on inputs padded to --tokens and --anchors. The default
 backend is inductor on CUDA and aot_eager on the CPU (the same capture, guards and autograd graphs
 as inductor, without minutes of C++ compilation); --backend overrides it.
