@@ -1,6 +1,13 @@
-"""benchmarks/extract_cold.py reads the figures of a GPU run from the CLI's own output: its patterns
-must match what the CLI prints, large numbers included (a mismatch costs a whole device call)."""
+"""The benchmarks' parsing of other processes' output, checked on the CPU (a mismatch costs a whole
+device call): benchmarks/extract_cold.py reads the CLI's own lines, large numbers included;
+benchmarks/drafter.py --peer reads the peer's JSON line."""
 
+import os
+import sys
+
+import pytest
+
+from benchmarks.drafter import run_peer
 from benchmarks.extract_cold import RANK_LINE
 from dflash_cache.extract.worker import RankSummary
 from dflash_cache_cli.extract_cmd import rank_line
@@ -11,3 +18,24 @@ def test_rank_line_is_read_back_with_thousands_separators():
     match = RANK_LINE.search(line)
     assert match, line
     assert match.group(1) == "1,004,184" and match.group(2) == "29,535" and match.group(3) == "2.1"
+
+
+PEER_STANDIN = """
+import json, os, sys, time
+print("compiling...", flush=True)
+if os.environ["T"] != "0":
+    print(json.dumps({"real_tokens_per_s": 1000.0, "T": int(os.environ["T"]), "max_anchors": int(os.environ["MAX_ANCHORS"]),
+                      "pid": os.getpid()}), flush=True)
+    time.sleep(600)  # the real peer was seen to linger after its line
+"""
+
+
+def test_the_peer_runs_with_our_shape_and_is_stopped_once_it_has_printed_its_line(tmp_path):
+    script = tmp_path / "peer.py"
+    script.write_text(PEER_STANDIN)
+    result = run_peer(f"{sys.executable} {script}", tokens=4096, anchors=64)
+    assert (result["real_tokens_per_s"], result["T"], result["max_anchors"]) == (1000.0, 4096, 64)
+    with pytest.raises(ProcessLookupError):
+        os.kill(result["pid"], 0)
+    with pytest.raises(SystemExit, match="no result line"):
+        run_peer(f"{sys.executable} {script}", tokens=0, anchors=64)
