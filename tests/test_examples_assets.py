@@ -101,9 +101,16 @@ def test_target_predicts_heldout_answers_far_above_chance(tokenizer, heldout):
     assert correct / total > MIN_HELDOUT_ACCURACY
 
 
+# A bf16 near-tie that the CPU's kernels break differently by instruction set: the answers were made
+# on a machine with AMX; on an AMD EPYC without it one token of line 49 is 0.031 logits below the
+# argmax, and greedy generation then takes the other branch.
+GREEDY_TIE = 0.0625
+
+
 @pytest.mark.slow
 def test_regenerated_training_answers_are_the_targets_own(tokenizer):
-    """data/train_regenerated.jsonl: train.jsonl's conversations, each answer the target's greedy output."""
+    """data/train_regenerated.jsonl: train.jsonl's conversations, each answer the target's greedy output:
+    teacher-forced, every answer token is the target's argmax, or within a bf16 near-tie of it."""
     train = read_jsonl(ASSETS / "data" / "train.jsonl")
     regenerated = read_jsonl(ASSETS / "data" / "train_regenerated.jsonl")
     report = json.loads((ASSETS / "build_report.json").read_text())["regenerated"]
@@ -119,9 +126,16 @@ def test_regenerated_training_answers_are_the_targets_own(tokenizer):
         messages = by_line[line]["messages"]
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                prompt = torch.tensor([chat_ids(tokenizer, messages[:i], add_generation_prompt=True)])
-                ids = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=report["max_tokens"])
-                assert message["content"] == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+                prompt = chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+                full = chat_ids(tokenizer, messages[: i + 1])
+                with torch.no_grad():
+                    logits = model(torch.tensor([full])).logits[0].float()
+                # each answer token, through <|im_end|>, from the position before it
+                positions = torch.arange(len(prompt) - 1, len(full) - 2)
+                chosen = logits[positions, torch.tensor(full)[positions + 1]]
+                gaps = logits[positions].max(-1).values - chosen
+                assert gaps.max() <= GREEDY_TIE, (line, i, gaps.max().item())
+                assert (gaps > 0).sum() <= 2, (line, i)
 
 
 def test_builder_data_is_deterministic():
