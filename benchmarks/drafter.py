@@ -1,7 +1,7 @@
 """Drafter training-step throughput and model-FLOPs utilisation, eager and compiled.
 
     python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
-                                 [--modes plain,eager,compiled] [--steps 10] [--json FILE] [--profile DIR]
+                                 [--modes plain,eager,compiled] [--steps 10] [--tile 128] [--json FILE] [--profile DIR]
                                  [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
@@ -108,15 +108,16 @@ def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
     return 3 * layers_fwd + 2 * fc + 2 * lm_head
 
 
-def random_drafter(config, device: str) -> tuple[DFlashDrafter, torch.optim.AdamW]:
-    """The drafter of `config` over a random frozen target head, and its AdamW, seeded."""
+def random_drafter(config, device: str, tile: int = 128) -> tuple[DFlashDrafter, torch.optim.AdamW]:
+    """The drafter of `config` over a random frozen target head, and its AdamW, seeded; `tile` its
+    BlockMask tile size."""
     torch.manual_seed(0)
     head = TargetHead(
         embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
         norm=torch.ones(config.hidden_size),
         lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
     ).to(device=device, dtype=torch.bfloat16)
-    model = DFlashDrafter(config, head).to(device)
+    model = DFlashDrafter(config, head, tile=tile).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
 
 
@@ -132,7 +133,7 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
 
 
 def run_mode(mode: str, args, config, device: str) -> dict:
-    model, optimizer = random_drafter(config, device)
+    model, optimizer = random_drafter(config, device, args.tile)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
                            regions=False if mode == "plain" else None)
     batches = peer_batches(config, args.tokens, device)
@@ -223,6 +224,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, default=None,
                         help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here")
+    parser.add_argument("--tile", type=int, default=128,
+                        help="BlockMask tile size (train uses 128; smaller tiles cover fewer masked-out pairs)")
     parser.add_argument("--peer", default=None, help="the peer's command, run first (T and MAX_ANCHORS are set to ours)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
