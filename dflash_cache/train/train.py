@@ -203,6 +203,11 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     else:
         runner = DrafterRunner(ddp)
     eval_runner = DrafterRunner(model)  # eager and unwrapped: ranks may evaluate different numbers of batches
+    if echo is not None and me.device.type == "cuda":
+        echo(f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
+             f"{anchor_budget:,} anchors" if cfg.compile else
+             "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
+             "dynamic shapes, once for every batch shape")
 
     log = None
     if echo is not None:
