@@ -11,6 +11,8 @@ Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a sta
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,7 +134,7 @@ class DFlashDrafter(nn.Module):
         self.regions_backend = None
         self.reset_parameters()
 
-    def compile_regions(self, backend="inductor") -> None:
+    def compile_regions(self, backend: str | Callable = "inductor") -> None:
         """Each decoder layer, the context projection and the loss's per-chunk math become regions
         compiled for dynamic shapes; once per drafter."""
         if self.regions_backend is not None:
