@@ -1,7 +1,7 @@
 """Drafter training-step throughput and model-FLOPs utilisation, eager and compiled.
 
     python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
-                                 [--modes plain,eager,compiled] [--steps 10] [--tile 128] [--json FILE] [--profile DIR]
+                                 [--modes plain,eager,compiled] [--steps 10] [--tile 128] [--compile-mode M] [--json FILE] [--profile DIR]
                                  [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
@@ -129,13 +129,13 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
-    return out.loss.detach()
+    return out.loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
 
 def run_mode(mode: str, args, config, device: str) -> dict:
     model, optimizer = random_drafter(config, device, args.tile)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
-                           regions=False if mode == "plain" else None)
+                           regions=False if mode == "plain" else None, compile_mode=args.compile_mode)
     batches = peer_batches(config, args.tokens, device)
     g = torch.Generator(device=device).manual_seed(0)
     anchors = [sample_anchors(batch, config.block_size, args.anchors, g, max_total=args.anchors) for batch in batches]
@@ -224,6 +224,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, default=None,
                         help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile's mode for the compiled step (reduce-overhead: CUDA graphs; "
+                             "max-autotune-no-cudagraphs: Inductor's autotuning, flex-attention's included)")
     parser.add_argument("--tile", type=int, default=128,
                         help="BlockMask tile size (train uses 128; smaller tiles cover fewer masked-out pairs)")
     parser.add_argument("--peer", default=None, help="the peer's command, run first (T and MAX_ANCHORS are set to ours)")

@@ -150,3 +150,15 @@ def test_a_batch_without_anchors_gives_zero_loss_and_zero_gradients():
     assert out.loss == 0 and out.num_blocks == 0 and out.total.sum() == 0
     for name, p in model.named_parameters():
         assert p.grad is not None and not p.grad.any(), name
+
+
+def test_the_compiled_runner_passes_its_mode_to_torch_compile(monkeypatch):
+    seen = {}
+
+    def recording_compile(module, **kwargs):
+        seen.update(kwargs)
+        return module
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    DrafterRunner(make_drafter(), compiled=True, token_budget=96, anchor_budget=24, compile_mode="reduce-overhead")
+    assert seen == {"dynamic": False, "backend": "inductor", "mode": "reduce-overhead"}

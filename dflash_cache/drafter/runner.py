@@ -19,7 +19,8 @@ from dflash_cache.errors import DFlashCacheError
 
 class DrafterRunner:
     """`module` is a DFlashDrafter or a wrapper with the same forward (DDP). `regions` (eager only)
-    defaults to on where the drafter's weights are on a GPU."""
+    defaults to on where the drafter's weights are on a GPU. `compile_mode` is torch.compile's `mode`
+    for the compiled drafter (None: Inductor's default)."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class DrafterRunner:
         anchor_budget: int | None = None,
         backend: str = "inductor",
         regions: bool | None = None,
+        compile_mode: str | None = None,
     ):
         if compiled and (token_budget is None or anchor_budget is None):
             raise DFlashCacheError("the compiled drafter needs a token budget and an anchor budget.")
@@ -36,7 +38,8 @@ class DrafterRunner:
         self.compiled = compiled
         self.token_budget = token_budget
         self.anchor_budget = anchor_budget
-        self.forward = torch.compile(module, dynamic=False, backend=backend) if compiled else module
+        self.compile_mode = compile_mode
+        self.forward = torch.compile(module, dynamic=False, backend=backend, mode=compile_mode) if compiled else module
         if regions is None:
             regions = not compiled and next(self.drafter.parameters()).device.type == "cuda"
         if regions:
@@ -49,4 +52,6 @@ class DrafterRunner:
         # The compiled drafter builds its masks inside its graph: built outside, their dozens of small
         # kernels ran while the GPU waited.
         masks = None if self.compiled else self.drafter.masks(inputs)
+        if self.compile_mode == "reduce-overhead":  # CUDA-graph trees: each call is a new step
+            torch.compiler.cudagraph_mark_step_begin()
         return self.forward(inputs, masks, gamma=gamma, labels=labels)
