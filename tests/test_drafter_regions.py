@@ -107,4 +107,3 @@ def test_head_loss_chunks_are_whole_tiles_and_never_a_single_row():
     reference = states.detach().clone().requires_grad_()
     (torch.nn.functional.cross_entropy(reference @ weight.T, labels, reduction="none") * row_weights).sum().backward()
     torch.testing.assert_close(states.grad, reference.grad)
-
