@@ -1,11 +1,13 @@
 """The eager drafter's compiled regions (drafter/regions.py): the same losses and gradients as the plain
 module, one compilation for every batch shape, and transparent inside a whole-drafter compile.
 
-On the CPU under aot_eager: the same capture, guards and autograd graphs as inductor, without minutes
-of C++ compilation. With gradients the CPU trains through the dense reference attention."""
+Mostly under aot_eager (the same capture, guards and autograd graphs as inductor, without its code
+generation), once under Inductor itself. With gradients the CPU trains through the dense reference
+attention; tests/test_drafter_gpu.py runs the regions with flex-attention on a GPU."""
 
 import copy
 
+import pytest
 import torch
 
 from dflash_cache.drafter.anchors import sample_anchors
@@ -60,6 +62,24 @@ def test_regions_compile_nothing_after_two_batches_whatever_the_shapes():
         step(runner, regional, lengths, k)
         after = CompileCounts.now() - before
         assert not after.compiled_anything, (k, after.reasons)
+
+
+@pytest.mark.slow
+def test_regions_under_inductor_match_the_plain_drafter_and_compile_once():
+    """Inductor's own code generation (C++ on the CPU; about 30 s), with the regions' Inductor options:
+    the plain module's losses and gradients, and nothing compiled after the first batch."""
+    torch._dynamo.reset()
+    plain, regional = drafters()
+    eager = DrafterRunner(plain, regions=False)
+    regions = DrafterRunner(regional, regions=True, backend="inductor")
+    for k, lengths in enumerate(distinct_length_plans(6, 160, seed=5)):
+        before = CompileCounts.now()
+        want, got = step(eager, plain, lengths, k), step(regions, regional, lengths, k)
+        compiled = CompileCounts.now() - before
+        assert k == 0 or not compiled.compiled_anything, (k, compiled.reasons)
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+        for (name, a), b in zip(plain.named_parameters(), regional.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_whole_drafter_compile_traces_through_the_regions():
