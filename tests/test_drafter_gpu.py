@@ -10,7 +10,7 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from tests.test_drafter_helpers import random_batch, random_head, tiny_config
+from tests.test_drafter_helpers import assert_same_gradients, counting_backend, random_batch, random_head, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -44,8 +44,7 @@ def test_fused_flex_matches_dense_forward_and_backward():
         dense.zero_grad()
         got.loss.backward()
         want.loss.backward()
-        for (name, a), b in zip(flex.named_parameters(), dense.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
+        assert_same_gradients(flex, dense, atol=1e-4, rtol=1e-3)
 
 
 def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_batches():
@@ -73,18 +72,13 @@ def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_b
             assert not compiled.compiled_anything, (k, compiled.reasons)
         torch.testing.assert_close(got.loss, want.loss, atol=1e-4, rtol=1e-4)
         assert torch.equal(got.total, want.total)
-        for (name, a), b in zip(model.named_parameters(), dense.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
+        assert_same_gradients(model, dense, atol=1e-4, rtol=1e-3)
 
 
 def test_compiled_mode_matches_eager_without_recompiling():
     from torch._inductor.compile_fx import compile_fx
 
-    graphs = []
-
-    def counting_inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
+    graphs, counting_inductor = counting_backend(compile_fx)
 
     model = gpu_drafter()
     eager = DrafterRunner(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dflash_cache.batch import FeatureBatch
@@ -51,3 +53,20 @@ def random_batch(lengths: list[int], seed: int = 0, num_layers: int = 2, hidden:
         hidden=torch.randn(n, num_layers * hidden, generator=g).bfloat16(),
         cu_seqlens=cu,
     )
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module, atol: float, rtol: float) -> None:
+    """Each parameter's gradient in `model` is close to the same parameter's in `reference`."""
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=atol, rtol=rtol, msg=name)
+
+
+def counting_backend(backend: Callable) -> tuple[list, Callable]:
+    """(graphs, a torch.compile backend that records each graph it is handed, then runs `backend` on it)."""
+    graphs = []
+
+    def compile_graph(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    return graphs, compile_graph

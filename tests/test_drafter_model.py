@@ -9,7 +9,7 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from tests.test_drafter_helpers import random_batch, random_head, tiny_config
+from tests.test_drafter_helpers import counting_backend, random_batch, random_head, tiny_config
 
 LENGTHS = [23, 5, 40, 9]
 
@@ -92,17 +92,13 @@ def test_compiled_mode_matches_eager_and_does_not_recompile():
     """aot_eager: the same graph capture and guards as inductor, without a minute of C++ compilation."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return aot_eager(gm, example_inputs)
+    graphs, counting = counting_backend(aot_eager)
 
     model = make_drafter(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     reference = copy.deepcopy(model)
     reference.attention = "dense"  # unfused flex on the CPU retraces per shape: slow for no extra check
     eager = DrafterRunner(reference)
-    compiled = DrafterRunner(model, compiled=True, token_budget=96, anchor_budget=24, backend=counting_backend)
+    compiled = DrafterRunner(model, compiled=True, token_budget=96, anchor_budget=24, backend=counting)
     for lengths, seed in [(LENGTHS, 0), ([40, 15], 1), ([7, 7, 7, 7, 7, 30], 2)]:
         batch, anchors, _ = inputs_for(lengths, seed)
         with torch.no_grad():

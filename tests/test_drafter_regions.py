@@ -15,7 +15,7 @@ from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_pl
 from dflash_cache.drafter.head_loss import chunk_sizes, chunk_terms, head_cross_entropy
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from tests.test_drafter_helpers import random_batch, random_head, tiny_config
+from tests.test_drafter_helpers import assert_same_gradients, counting_backend, random_batch, random_head, tiny_config
 
 
 def drafters():
@@ -43,8 +43,7 @@ def test_regions_give_the_plain_drafters_losses_and_gradients():
         want, got = step(eager, plain, lengths, seed), step(regions, regional, lengths, seed)
         torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
         assert torch.equal(got.correct, want.correct) and torch.equal(got.total, want.total)
-        for (name, a), b in zip(plain.named_parameters(), regional.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+        assert_same_gradients(regional, plain, atol=1e-6, rtol=1e-5)
 
 
 def test_regions_compile_nothing_after_two_batches_whatever_the_shapes():
@@ -78,24 +77,19 @@ def test_regions_under_inductor_match_the_plain_drafter_and_compile_once():
         compiled = CompileCounts.now() - before
         assert k == 0 or not compiled.compiled_anything, (k, compiled.reasons)
         torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
-        for (name, a), b in zip(plain.named_parameters(), regional.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert_same_gradients(regional, plain, atol=1e-5, rtol=1e-4)
 
 
 def test_a_whole_drafter_compile_traces_through_the_regions():
     """train builds its eager evaluation runner (regions) beside a compiled training runner."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return aot_eager(gm, example_inputs)
+    graphs, counting = counting_backend(aot_eager)
 
     torch._dynamo.reset()
     plain, regional = drafters()
     regional.compile_regions("aot_eager")
-    compiled = DrafterRunner(regional, compiled=True, token_budget=96, anchor_budget=24, backend=counting_backend)
+    compiled = DrafterRunner(regional, compiled=True, token_budget=96, anchor_budget=24, backend=counting)
     eager = DrafterRunner(plain, regions=False)
     for lengths, seed in [([23, 5, 40, 9], 0), ([40, 15], 1)]:
         want, got = step(eager, plain, lengths, seed), step(compiled, regional, lengths, seed)
