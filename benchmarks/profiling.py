@@ -22,7 +22,7 @@ def profile_run(folder: Path, name: str, run) -> None:
     wall = time.perf_counter() - start
     prof.export_chrome_trace(str(folder / f"{name}_trace.json"))
     averages = prof.key_averages()
-    table = averages.table(sort_by="self_device_time_total", row_limit=30)
+    table = averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=110)
     gpu = sum(e.self_device_time_total for e in averages) / 1e6
     summary = f"{name}: wall {wall:.2f} s under the profiler, kernels {gpu:.2f} s ({gpu / wall:.2f} of wall)"
     (folder / f"{name}_profile.txt").write_text(summary + "\n" + table)

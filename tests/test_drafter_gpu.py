@@ -102,7 +102,7 @@ def test_fused_kernel_equals_dense_reference_across_many_tiles(window):
     g = torch.Generator("cuda").manual_seed(3)
     q = torch.randn(1, 4, layout.num_queries, 16, device="cuda", generator=g)
     k, v = (torch.randn(1, 2, layout.num_keys, 16, device="cuda", generator=g) for _ in range(2))
-    out = compiled_flex_attention(q, k, v, block_mask=block_mask(layout, window), enable_gqa=True)
+    out = compiled_flex_attention(q, k, v, block_mask(layout, window))
     expected = reference_attention(q, k, v, dense_mask(layout, window))
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 

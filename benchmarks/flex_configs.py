@@ -1,0 +1,98 @@
+"""Flex-attention forward + backward on the drafter's own masks, per tile size and kernel options.
+
+    PYTHONPATH=. python benchmarks/flex_configs.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
+                 [--tiles 128,64] [--options '{}' '{"USE_TMA": true}'] [--autotune]
+
+One decoder layer's attention of each kind (sliding, full) on the peer's first batch (benchmarks/drafter.py
+`peer_batches`) at the preset's head counts and head size, bf16, compiled for static shapes as the compiled
+drafter runs it. For each tile size and each kernel-options dict (flex_attention's `kernel_options`;
+keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters, and
+the share of the computed score tiles that are visible pairs. --autotune adds Inductor's own search
+(max_autotune for flex-attention; matmuls stay on ATen), whose choices and timings Inductor prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from benchmarks.drafter import peer_batches
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.inputs import DraftInputs
+from dflash_cache.drafter.masks import BlockLayout, block_mask, visible
+
+
+def computed_share(mask, layout: BlockLayout, window: int | None, tile: int) -> float:
+    """Visible (query, key) pairs over the pairs of the tiles the kernel computes."""
+    tiles = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item() * tile * tile
+    q = torch.arange(layout.num_queries, device=layout.q_seq.device)
+    pairs = sum(int(visible(layout, q[i:i + 1024, None], torch.arange(layout.num_keys, device=q.device)[None], window).sum())
+                for i in range(0, layout.num_queries, 1024))
+    return pairs / tiles
+
+
+def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int) -> tuple[float, float]:
+    torch._dynamo.reset()
+    kernel = torch.compile(flex_attention, dynamic=False, options=compile_options)
+    run = lambda: kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options or None)  # noqa: E731
+    grad = torch.randn_like(q)
+    for _ in range(2):
+        run().backward(grad)
+    fwd, bwd = [], []
+    for _ in range(iters):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        out = run()
+        e[1].record()
+        out.backward(grad)
+        e[2].record()
+        torch.cuda.synchronize()
+        fwd.append(e[0].elapsed_time(e[1]))
+        bwd.append(e[1].elapsed_time(e[2]))
+    return sum(fwd) / iters, sum(bwd) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.6-27b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--tiles", default="128,64")
+    parser.add_argument("--options", nargs="*", default=["{}"], help="kernel_options dicts, as JSON")
+    parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    config = load_drafter_config(args.preset)
+    batch = peer_batches(config, args.tokens, "cuda", count=1)[0]
+    anchors = sample_anchors(batch, config.block_size, args.anchors, torch.Generator("cuda").manual_seed(0),
+                             max_total=args.anchors)
+    inputs = DraftInputs.build(batch, anchors)
+    g = torch.Generator("cuda").manual_seed(0)
+    nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    variants = [(json.loads(o), None, o) for o in args.options]
+    if args.autotune:
+        variants.append(({}, {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}, "autotune"))
+    for tile in (int(t) for t in args.tiles.split(",")):
+        layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, config.block_size, tile)
+        rows = -(-layout.num_queries // tile) * tile  # the BlockMask's queries: whole tiles
+        q = torch.randn(1, nq, rows, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        k, v = (torch.randn(1, nkv, layout.num_keys, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                for _ in range(2))
+        for kind, window in (("sliding", config.sliding_window), ("full", None)):
+            mask = block_mask(layout, window, tile)
+            share = computed_share(mask, layout, window, tile)
+            for options, compile_options, name in variants:
+                try:
+                    fwd, bwd = time_config(q, k, v, mask, options, compile_options, args.iters)
+                    print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms  "
+                          f"visible share of computed tiles {share:.0%}", flush=True)
+                except Exception as error:  # a configuration Inductor refuses: say so and go on
+                    print(f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
