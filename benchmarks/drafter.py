@@ -19,7 +19,8 @@ tokens_per_s counts the padding to T as well).
 
 MFU counts the useful matmul and attention FLOPs of a step (the same terms as the peer's script,
 minus its second LM-head pass, which this drafter does not make because the cache stores the
-target's argmax) against --peak-tflops. Mask building (BlockMask for both layer types), which the
+target's argmax, and with the LM head over the B - 1 predicted rows of a block where the peer's
+script counts B; sessions up to 11 counted B too, 1.3 points of MFU more) against --peak-tflops. Mask building (BlockMask for both layer types), which the
 eager modes do between their kernels, is timed on its own and reported as a share of the step; the
 compiled drafter builds its masks inside its graph.
 """
@@ -103,7 +104,7 @@ def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
     attention = sum(4 * nh * d * pairs[kind] for kind in config.layer_types)
     layers_fwd = config.num_hidden_layers * per_layer + attention
     fc = 2 * t * len(config.target_layer_ids) * config.target_hidden_size * h
-    lm_head = 2 * tq * h * v
+    lm_head = 2 * a * (b - 1) * h * v  # the rows predicted: 15 of a block's 16 (the peer's script counts 16)
     # layers: forward + 2x backward; fc: forward + weight gradient; frozen LM head: forward + input gradient
     return 3 * layers_fwd + 2 * fc + 2 * lm_head
 
