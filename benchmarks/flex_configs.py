@@ -78,8 +78,7 @@ def main() -> None:
         variants.append(({}, {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}, "autotune"))
     for tile in (int(t) for t in args.tiles.split(",")):
         layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, config.block_size, tile)
-        rows = -(-layout.num_queries // tile) * tile  # the BlockMask's queries: whole tiles
-        q = torch.randn(1, nq, rows, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        q = torch.randn(1, nq, layout.num_queries, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
         k, v = (torch.randn(1, nkv, layout.num_keys, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                 for _ in range(2))
         for kind, window in (("sliding", config.sliding_window), ("full", None)):

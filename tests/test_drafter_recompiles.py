@@ -99,7 +99,7 @@ def flex_compiles(plans, windows, trim=lambda k, anchors: anchors):
         for window in windows:
             before = CompileCounts.now()
             with torch.no_grad():
-                kernel(q, kv, kv, block_mask(layout, window, tile=16))
+                kernel(q, kv, kv, block_mask=block_mask(layout, window, tile=16), enable_gqa=True)
             per_call.append(CompileCounts.now() - before)
     return per_call
 

@@ -10,39 +10,28 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_cache.drafter.regions import region
 
+
+def compile_flex_attention(backend: str = "inductor"):
+    """One kernel for every batch shape, for the drafter's calls outside a compiled region (the CPU
+    tests audit its guards under aot_eager)."""
+    return region(flex_attention, backend)
+
+
+compiled_flex_attention = compile_flex_attention()
+
 # Inductor's flex-attention options for every drafter call:
-#  - the main kernel always, never the decoding kernel Inductor picks for fewer than 128 queries (which
-#    found no configuration for fp32 in a dynamic-shape region: GPU test, session 12);
+#  - the main kernel always, never the decoding kernel Inductor picks for fewer than 128 queries (it found
+#    no configuration for fp32 in a dynamic-shape region: GPU test, session 12). Inductor still guards on
+#    that count, so in eager mode a batch of fewer than 128 queries (8 blocks of 16) after bigger ones
+#    compiles a decoder layer once more (tests/test_drafter_gpu.py);
 #  - the backward's tile sizes that Inductor's autotuner chose on an H200 at the 27B drafter's shapes, for
 #    both layer kinds: 3.29 ms against 3.55 ms for its default per layer (benchmarks/flex_configs.py,
-#    BENCHMARKS.md). Their tiles divide 64, so a BlockMask of 64-token tiles compiles too.
+#    BENCHMARKS.md session 12).
 KERNEL_OPTIONS = {
     "FORCE_USE_FLEX_ATTENTION": True,
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
     "bwd_num_stages": 3, "bwd_num_warps": 4,
 }
-
-
-def tiled_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
-    """flex-attention on the queries padded to the BlockMask's padded query count, which is always
-    greater than Q and at least one tile (masks.BlockLayout); the padding rows see no key and are
-    dropped from the output. Compiled for dynamic shapes, the kernel's code takes decisions, and
-    guards on them, on whether there are fewer than 128 queries (Inductor's decoding kernel) and on
-    whether the output rows kept are all of them (a contiguity check): on the raw query count, a batch
-    with fewer than 8 blocks of 16 after bigger ones compiled a region again (GPU test, session 12),
-    as did one whose padding was empty (CPU test). The padding adds at most one tile with no work."""
-    rows = q.shape[2]
-    q = F.pad(q, (0, 0, 0, mask.seq_lengths[0] - rows))
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=KERNEL_OPTIONS)[:, :, :rows]
-
-
-def compile_flex_attention(backend: str = "inductor"):
-    """One kernel for every batch shape, for the drafter's calls outside a compiled region (the CPU
-    tests audit its guards under aot_eager)."""
-    return region(tiled_flex_attention, backend)
-
-
-compiled_flex_attention = compile_flex_attention()
 
 # On the CPU, flex-attention runs unfused (compiling its CPU kernel takes most of a minute and buys
 # nothing at test sizes); the unfused path warns on every first use.
@@ -56,8 +45,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
     if isinstance(mask, torch.Tensor):
         return reference_attention(q, k, v, mask)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
-    kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else tiled_flex_attention
-    return kernel(q, k, v, mask)
+    kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
+    return kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=KERNEL_OPTIONS)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

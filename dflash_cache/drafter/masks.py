@@ -24,9 +24,7 @@ class BlockLayout:
     """Per-query and per-key coordinates of one batch (sequence id, position, block id).
 
     The arrays are padded to `padded_q` / `padded_kv` entries so that a mask function may index them
-    anywhere inside the last, partial tile; padding queries and keys belong to no sequence. There is
-    at least one padding query (a whole tile of them when Q is a whole number of tiles): flex-attention
-    runs on the padded queries (attention.tiled_flex_attention), which then always outnumber Q.
+    anywhere inside the last, partial tile; padding queries and keys belong to no sequence.
     """
 
     num_context: int  # N
@@ -53,7 +51,7 @@ class BlockLayout:
         n, a, b = seq_ids.shape[0], anchors.shape[0], block_size
         device = seq_ids.device
         q, kv = a * b, n + a * b
-        pad_q, pad_kv = tile - q % tile, -kv % tile
+        pad_q, pad_kv = -q % tile, -kv % tile
 
         def per_query(per_block: torch.Tensor, fill: int) -> torch.Tensor:
             values = per_block[:, None].expand(a, b).reshape(q)
@@ -124,10 +122,9 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_mask(layout: BlockLayout, window: int | None, tile: int = 128) -> BlockMask:
     """The flex-attention BlockMask: tiles with no visible pair are skipped, tiles where every
-    query sees every key skip the mask function. Its queries are the layout's padded ones, which see
-    nothing."""
+    query sees every key skip the mask function."""
     q = layout.num_queries
-    shape = (q // tile + 1, -(-layout.num_keys // tile))  # the layout's padded queries, in tiles
+    shape = (-(-q // tile), -(-layout.num_keys // tile))
     index = torch.arange(q, device=layout.q_seq.device)
     q_tile = index // tile
     ctx_lo, ctx_hi, blk_lo, blk_hi = (t[:q] for t in _key_intervals(layout, window))
@@ -140,7 +137,7 @@ def block_mask(layout: BlockLayout, window: int | None, tile: int = 128) -> Bloc
     touched += _tile_counts(q_tile, *overlapping(blk_lo, blk_hi), shape)
     covered = _tile_counts(q_tile, -(-ctx_lo // tile), ctx_hi // tile, shape)  # tiles inside [lo, hi)
     queries_per_tile = (q - torch.arange(shape[0], device=index.device) * tile).clamp(max=tile)
-    full = (covered == queries_per_tile[:, None].to(torch.int32)) & (queries_per_tile[:, None] > 0)
+    full = covered == queries_per_tile[:, None].to(torch.int32)
     partial = (touched > 0) & ~full
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -155,7 +152,7 @@ def block_mask(layout: BlockLayout, window: int | None, tile: int = 128) -> Bloc
         full_indices,
         BLOCK_SIZE=tile,
         mask_mod=mask_mod,
-        seq_lengths=(shape[0] * tile, layout.num_keys),
+        seq_lengths=(q, layout.num_keys),
     )
 
 
