@@ -76,10 +76,11 @@ def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_b
 
 
 @pytest.mark.xfail(reason="Inductor's flex-attention lowering guards on whether there are fewer than 128 "
-                   "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not: seen on an H200, session 12")
+                   "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not, and dynamo "
+                   "specialises a one-tile BlockMask: seen on an H200, session 12")
 def test_eager_regions_compile_nothing_for_a_later_batch_under_128_queries():
-    """Known limitation: after batches of 128 queries or more, one of fewer (here 24 blocks of 4)
-    compiles the decoder layer once more."""
+    """Known limitation (ARCHITECTURE.md): after bigger batches, one whose queries fit in one tile
+    (here 24 blocks of 4) compiles the decoder layer once more."""
     from dflash_cache.drafter.compile_audit import CompileCounts
 
     torch._dynamo.reset()

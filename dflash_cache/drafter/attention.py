@@ -22,8 +22,7 @@ compiled_flex_attention = compile_flex_attention()
 # Inductor's flex-attention options for every drafter call:
 #  - the main kernel always, never the decoding kernel Inductor picks for fewer than 128 queries (it found
 #    no configuration for fp32 in a dynamic-shape region: GPU test, session 12). Inductor still guards on
-#    that count, so in eager mode a batch of fewer than 128 queries (8 blocks of 16) after bigger ones
-#    compiles a decoder layer once more (tests/test_drafter_gpu.py);
+#    that count (docs/ARCHITECTURE.md, "Eager by default, compiled in regions");
 #  - the backward's tile sizes that Inductor's autotuner chose on an H200 at the 27B drafter's shapes, for
 #    both layer kinds: 3.29 ms against 3.55 ms for its default per layer (benchmarks/flex_configs.py,
 #    BENCHMARKS.md session 12).
