@@ -1,6 +1,6 @@
 # Session 12 call 3: the peer, compiled and eager in one process; then the 200-step recompilation audit of
 # both modes, with the GPU tests running beside it (the audit counts compilations; its ms/step is not a figure)
-set -uo pipefail; source benchmarks/results/2026-12-02-session12/env.sh
+set -uo pipefail; source benchmarks/results/2026-12-02-session11/env.sh
 step drafter 245 python3 benchmarks/drafter.py --preset qwen3.6-27b --tokens 16384 --anchors 512 --modes compiled,eager \
   --json $OUT/drafter.json --peer "$PEER"
 timeout 200 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider -p no:logging --durations=10 \
