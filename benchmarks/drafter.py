@@ -209,11 +209,16 @@ def run_peer(command: str, tokens: int, anchors: int) -> dict:
         proc.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The drafter step's shape, shared by the drafter benchmarks: preset, tokens and anchors a step."""
     parser.add_argument("--preset", default="qwen3.6-27b", help="drafter preset or JSON file")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--anchors", type=int, default=512)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_shape_arguments(parser)
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, plain, compiled")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)

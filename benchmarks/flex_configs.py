@@ -19,7 +19,7 @@ import json
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from benchmarks.drafter import peer_batches
+from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
@@ -58,9 +58,7 @@ def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iter
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3.6-27b")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--anchors", type=int, default=512)
+    add_step_shape_arguments(parser)
     parser.add_argument("--tiles", default="128,64")
     parser.add_argument("--options", nargs="*", default=["{}"], help="kernel_options dicts, as JSON")
     parser.add_argument("--autotune", action="store_true")

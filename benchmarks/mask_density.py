@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.drafter import peer_batches
+from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
@@ -23,9 +23,7 @@ from dflash_cache.drafter.masks import BlockLayout, block_mask, dense_mask
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3.6-27b")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--anchors", type=int, default=512)
+    add_step_shape_arguments(parser)
     parser.add_argument("--tiles", default="128,64")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
