@@ -20,9 +20,10 @@ tokens_per_s counts the padding to T as well).
 MFU counts the useful matmul and attention FLOPs of a step (the same terms as the peer's script,
 minus its second LM-head pass, which this drafter does not make because the cache stores the
 target's argmax, and with the LM head over the B - 1 predicted rows of a block where the peer's
-script counts B; sessions up to 11 counted B too, 1.3 points of MFU more) against --peak-tflops. Mask building (BlockMask for both layer types), which the
-eager modes do between their kernels, is timed on its own and reported as a share of the step; the
-compiled drafter builds its masks inside its graph.
+script counts B; sessions up to 11 counted B too, 1.3 points of MFU more) against --peak-tflops.
+Mask building (BlockMask for both layer types), which the eager modes do between their kernels, is
+timed on its own and reported as a share of the step; the compiled drafter builds its masks inside
+its graph.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@
 One decoder layer's attention of each kind (sliding, full) on the peer's first batch (benchmarks/drafter.py
 `peer_batches`) at the preset's head counts and head size, bf16, compiled for static shapes as the compiled
 drafter runs it. For each tile size and each kernel-options dict (flex_attention's `kernel_options`;
-keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters, and
-the share of the computed score tiles that are visible pairs. --autotune adds Inductor's own search
-(max_autotune for flex-attention; matmuls stay on ATen), whose choices and timings Inductor prints.
+keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters.
+--autotune adds Inductor's own search (max_autotune for flex-attention; matmuls stay on ATen), whose
+choices and timings Inductor prints. benchmarks/mask_density.py gives the share of the computed
+tiles' pairs that are visible.
 """
 
 from __future__ import annotations
@@ -23,16 +24,7 @@ from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
-from dflash_cache.drafter.masks import BlockLayout, block_mask, visible
-
-
-def computed_share(mask, layout: BlockLayout, window: int | None, tile: int) -> float:
-    """Visible (query, key) pairs over the pairs of the tiles the kernel computes."""
-    tiles = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item() * tile * tile
-    q = torch.arange(layout.num_queries, device=layout.q_seq.device)
-    pairs = sum(int(visible(layout, q[i:i + 1024, None], torch.arange(layout.num_keys, device=q.device)[None], window).sum())
-                for i in range(0, layout.num_queries, 1024))
-    return pairs / tiles
+from dflash_cache.drafter.masks import BlockLayout, block_mask
 
 
 def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int) -> tuple[float, float]:
@@ -81,12 +73,10 @@ def main() -> None:
                 for _ in range(2))
         for kind, window in (("sliding", config.sliding_window), ("full", None)):
             mask = block_mask(layout, window, tile)
-            share = computed_share(mask, layout, window, tile)
             for options, compile_options, name in variants:
                 try:
                     fwd, bwd = time_config(q, k, v, mask, options, compile_options, args.iters)
-                    print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms  "
-                          f"visible share of computed tiles {share:.0%}", flush=True)
+                    print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms", flush=True)
                 except Exception as error:  # a configuration Inductor refuses: say so and go on
                     print(f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
