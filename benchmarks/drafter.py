@@ -114,12 +114,13 @@ def random_drafter(config, device: str, tile: int = 128) -> tuple[DFlashDrafter,
     """The drafter of `config` over a random frozen target head, and its AdamW, seeded; `tile` its
     BlockMask tile size."""
     torch.manual_seed(0)
-    head = TargetHead(
-        embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
-        norm=torch.ones(config.hidden_size),
-        lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
-    ).to(device=device, dtype=torch.bfloat16)
-    model = DFlashDrafter(config, head, tile=tile).to(device)
+    with torch.device(device):  # built in place: on the CPU the 27B drafter's initialisation took a minute
+        head = TargetHead(
+            embed_tokens=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
+            norm=torch.ones(config.hidden_size),
+            lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
+        ).to(dtype=torch.bfloat16)
+        model = DFlashDrafter(config, head, tile=tile)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
 
 
