@@ -8,8 +8,9 @@ One decoder layer's attention of each kind (sliding, full) on the peer's first b
 drafter runs it. For each tile size and each kernel-options dict (flex_attention's `kernel_options`;
 keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters.
 --autotune adds Inductor's own search (max_autotune for flex-attention; matmuls stay on ATen), whose
-choices and timings Inductor prints. benchmarks/mask_density.py gives the share of the computed
-tiles' pairs that are visible.
+choices and timings Inductor prints. Every variant's output and gradients are compared with the first
+variant's on the same inputs (the largest absolute difference; bf16 rounding alone gives about 1e-2).
+benchmarks/mask_density.py gives the share of the computed tiles' pairs that are visible.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.masks import BlockLayout, block_mask
 
 
-def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int) -> tuple[float, float]:
+def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int
+                ) -> tuple[float, float, list[torch.Tensor]]:
+    """(mean forward ms, mean backward ms, [output, dq, dk, dv] of the first call)."""
     torch._dynamo.reset()
     kernel = torch.compile(flex_attention, dynamic=False, options=compile_options)
     run = lambda: kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options or None)  # noqa: E731
-    grad = torch.randn_like(q)
-    for _ in range(2):
-        run().backward(grad)
+    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
+    for t in (q, k, v):
+        t.grad = None
+    out = run()
+    out.backward(grad)
+    results = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    run().backward(grad)
     fwd, bwd = [], []
     for _ in range(iters):
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -45,7 +52,7 @@ def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iter
         torch.cuda.synchronize()
         fwd.append(e[0].elapsed_time(e[1]))
         bwd.append(e[1].elapsed_time(e[2]))
-    return sum(fwd) / iters, sum(bwd) / iters
+    return sum(fwd) / iters, sum(bwd) / iters, results
 
 
 def main() -> None:
@@ -73,10 +80,14 @@ def main() -> None:
                 for _ in range(2))
         for kind, window in (("sliding", config.sliding_window), ("full", None)):
             mask = block_mask(layout, window, tile)
+            first = None
             for options, compile_options, name in variants:
                 try:
-                    fwd, bwd = time_config(q, k, v, mask, options, compile_options, args.iters)
-                    print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms", flush=True)
+                    fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters)
+                    first = first or results
+                    diff = "  max |diff| vs first: out/dq/dk/dv " + " ".join(
+                        f"{(a.float() - b.float()).abs().max().item():.2e}" for a, b in zip(results, first))
+                    print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms{diff}", flush=True)
                 except Exception as error:  # a configuration Inductor refuses: say so and go on
                     print(f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 

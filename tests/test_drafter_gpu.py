@@ -134,3 +134,35 @@ def test_a_batch_without_anchors_on_gpu():
     out = model(DraftInputs.build(batch, torch.zeros(0, dtype=torch.long, device="cuda")))
     out.loss.backward()
     assert out.loss == 0 and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_head_loss_kernel_matches_the_torch_reference(dtype, with_grad):
+    """The Triton per-row kernel (called plainly and inside a region compiled for dynamic shapes) against
+    head_loss.reference_terms: a vocabulary that is not a whole number of the kernel's blocks, rows of
+    several sizes, and rows whose maximum is tied (the first index wins, as in torch.argmax)."""
+    from dflash_cache.drafter.head_loss import chunk_terms, reference_terms
+    from dflash_cache.drafter.regions import region
+
+    g = torch.Generator("cuda").manual_seed(5)
+    vocab, hidden = 9000, 64
+    weight = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.3).to(dtype)
+    weight[17] = weight[4000] = weight[8999] = weight[3]  # rows where token 3 wins tie with these
+    compiled = region(chunk_terms)
+    for rows in (16, 200, 37):
+        states = torch.randn(rows, hidden, device="cuda", generator=g)
+        states[:4] = weight[3].float() * 4  # these rows' maximum is tied four ways
+        labels = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+        row_weights = torch.rand(rows, device="cuda", generator=g)
+        want = reference_terms(states, weight, labels, row_weights, with_grad)
+        for terms in (chunk_terms, compiled):
+            loss, predictions, grad = terms(states, weight, labels, row_weights, with_grad)
+            torch.testing.assert_close(loss, want[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(predictions, want[1])
+            assert (predictions[:4] == 3).all()
+            if with_grad:
+                tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(grad, want[2], atol=tolerance, rtol=tolerance)
+            else:
+                assert grad is None

@@ -4,7 +4,8 @@ Full logits for 512 blocks x 15 slots x a 248K vocabulary would take gigabytes; 
 logits live only inside the forward. Because the head is frozen, the gradient with respect to the
 drafter's states, (softmax - onehot) * row_weight @ W, is computed in the same pass and kept for
 backward: no logits are stored and none are recomputed. The per-chunk math (`chunk_terms`) is a
-plain function of tensors, so that the eager drafter can run it as a compiled region.
+plain function of tensors, so that the eager drafter can run it as a compiled region; on a GPU its
+per-row part is a Triton kernel (drafter/head_kernel.py), elsewhere `reference_terms`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,25 @@ from typing import Callable
 
 import torch
 
+if torch.cuda.is_available():  # Triton comes with CUDA builds of torch only
+    from dflash_cache.drafter.head_kernel import row_terms
+
 LOGITS_PER_CHUNK = 1 << 28  # fp32 logits elements per chunk (1 GiB)
 
 
 def chunk_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
                 with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: (sum_r row_weights[r] * CE_r, argmax predictions [r], gradient wrt states [r, H] or None)."""
+    if not states.is_cuda:
+        return reference_terms(states, weight, labels, row_weights, with_grad)
+    scale = row_weights.float()
+    nll, predictions, grad = row_terms(states.to(weight.dtype) @ weight.T, labels, scale, with_grad)
+    return (nll * scale).sum(), predictions, grad @ weight if with_grad else None
+
+
+def reference_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+                    with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """chunk_terms in plain torch."""
     logits = (states.to(weight.dtype) @ weight.T).float()
     label = labels[:, None]
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
