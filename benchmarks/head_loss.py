@@ -15,20 +15,9 @@ import argparse
 
 import torch
 
+from benchmarks.profiling import cuda_mean_ms
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.head_loss import chunk_terms, reference_terms
-
-
-def mean_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
     results = {}
     for name, terms in (("triton kernel", chunk_terms), ("torch (Inductor)", reference_terms), ("matmuls only", None)):
         fn = matmuls if terms is None else torch.compile(lambda t=terms: t(states, weight, labels, row_weights, True))
-        ms = mean_ms(fn, args.iters)
+        ms = cuda_mean_ms(fn, args.iters)
         if terms is not None:
             results[name] = fn()
         print(f"{name:>17}: {ms:7.3f} ms per chunk of {args.rows} rows x {v} vocabulary", flush=True)

@@ -1,4 +1,4 @@
-"""Profiling for the benchmarks: what one piece of work spends its GPU time on."""
+"""Profiling for the benchmarks: what one piece of work spends its GPU time on, and how long it takes."""
 
 from __future__ import annotations
 
@@ -28,3 +28,16 @@ def profile_run(folder: Path, name: str, run) -> None:
     (folder / f"{name}_profile.txt").write_text(summary + "\n" + table)
     print(summary)
     print(table)
+
+
+def cuda_mean_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Mean GPU milliseconds of `fn()` over `iters` back-to-back calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

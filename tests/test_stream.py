@@ -11,7 +11,9 @@ from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
 from dflash_cache.stream.loader import Loader, ReaderError, empty_host_batch
 from dflash_cache.stream.memory import MemorySource
-from tests.cachegen import random_spec, write_random_cache
+from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.shard import ShardWriter
+from tests.cachegen import random_row, random_spec, write_random_cache
 
 LENGTHS = [7, 30, 1, 18, 44, 9, 25, 13, 3, 36, 21, 16]
 
@@ -93,6 +95,26 @@ def test_corrupt_row_names_the_sample(tmp_path):
     shard.write_bytes(bytes(data))
     caches = CacheSet([root])
     with pytest.raises(DFlashCacheError, match="reading sample"), \
+            Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
+        list(loader)
+
+
+@pytest.mark.parametrize("name, bad", [("target_ids", 100), ("input_ids", -1)])
+def test_token_ids_outside_the_vocabulary_name_the_sample(tmp_path, name, bad):
+    """Rows that pass their checksums but hold an id the target's vocabulary (100) lacks: the GPU loss
+    kernel would read past a row of logits, so the loader stops, naming the sample."""
+    root, spec = tmp_path / "c", random_spec(vocab_size=100)
+    writer = ShardWriter(root, rank=0, spec=spec)
+    for sid in range(3):
+        row, _ = random_row(sid, 12, spec)
+        if sid == 1:
+            getattr(row, name)[5] = bad
+        writer.append(row)
+    writer.commit()
+    write_manifest(root, build_manifest(read_journals(root)))
+    caches = CacheSet([root])
+    with pytest.raises(DFlashCacheError, match=f"reading sample 1: {name} holds token id {bad}, outside the "
+                                               "target's vocabulary of 100"), \
             Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
         list(loader)
 

@@ -27,6 +27,7 @@ from typing_extensions import Self
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import PLANE_LAYOUT, decode, decompress_into
+from dflash_cache.store.schema import Row
 from dflash_cache.stream.caches import CacheSet
 
 
@@ -76,12 +77,25 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_
     )
 
 
+def check_token_ids(row: Row, vocab: int) -> None:
+    """Token ids index the target's embeddings and, as labels, each row of the LM-head loss's logits,
+    whose GPU kernel reads the label's logit unchecked: an id outside the vocabulary, in a damaged or
+    foreign cache, stops here rather than there."""
+    for name in ("input_ids", "target_ids"):
+        ids = getattr(row, name)
+        outside = (ids < 0) | (ids >= vocab)
+        if outside.any():
+            raise DFlashCacheError(f"{name} holds token id {ids[outside][0]}, outside the target's vocabulary of "
+                                   f"{vocab}: the cache is damaged or was not written for this target")
+
+
 def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     """Read, verify and decompress row `index` of the batch into its slice of the host buffers."""
     key = batch.keys[index]
     start, end = batch.offsets[index], batch.offsets[index + 1]
     try:
         row = caches.read(key)  # its token count checked against the manifest's
+        check_token_ids(row, caches.spec["target"]["vocab_size"])
         planes = batch.planes.numpy()
         per_token = planes.shape[1] // batch.offsets[-1]
         decompress_into(row.hidden, caches.codec, planes[:, start * per_token : end * per_token])
