@@ -3,8 +3,8 @@
 For each row of a chunk of logits [R, V]: the log-sum-exp, the argmax and the label's logit in one
 online pass (running maximum, rescaled sum of exponentials), then, for the gradient,
 (softmax - onehot) * row_weight written in a second pass. Inductor's code for the same math in
-torch (head_loss.reference_terms) read the logits about three times: with this kernel the compiled
-27B drafter step took 254.4 ms on an H200 against 259.5 ms (BENCHMARKS.md, session 14). `row_terms`
+torch (head_loss.reference_terms) was slower: with this kernel the compiled 27B drafter step took
+254.4 ms on an H200 against 259.5 ms, and 7.6 GB less memory (BENCHMARKS.md, session 14). `row_terms`
 is a torch custom op, so the compiled drafter and the eager regions trace it as one call;
 head_loss.reference_terms, what the CPU runs, is the reference it is tested against.
 """
