@@ -166,3 +166,20 @@ def test_head_loss_kernel_matches_the_torch_reference(dtype, with_grad):
                 torch.testing.assert_close(grad, want[2], atol=tolerance, rtol=tolerance)
             else:
                 assert grad is None
+
+
+def test_train_builds_the_drafter_on_the_gpu_from_its_seed():
+    """train's drafter is drawn on its device (no host initialisation): the same seed gives the same weights,
+    and the caller's CUDA random state is left as it was."""
+    from dflash_cache.train.model import build_drafter
+
+    config = tiny_config(hidden_size=64, head_dim=32)
+    head = random_head(0, hidden=64).to("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = torch.cuda.get_rng_state()
+    first, second = (build_drafter(config, head, device, seed=7) for _ in range(2))
+    other = build_drafter(config, head, device, seed=8)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    for (name, a), b, c in zip(first.named_parameters(), second.parameters(), other.parameters()):
+        assert a.is_cuda and torch.equal(a, b), name
+        assert not torch.equal(a, c) or a.dim() < 2, name

@@ -119,8 +119,10 @@ def check_fits(config: DrafterConfig, hidden_size: int, vocab_size: int, num_lay
 
 def build_drafter(config: DrafterConfig, state: dict[str, torch.Tensor], head: TargetHead, device: torch.device | str,
                   attention: str = "flex") -> DFlashDrafter:
-    """The drafter in fp32 on `device` (it runs under bf16 autocast, as in training), with `head`."""
-    model = DFlashDrafter(config, attention=attention)
+    """The drafter in fp32 on `device` (it runs under bf16 autocast, as in training), with `head`; built
+    there, so that its random initialisation, which the checkpoint overwrites, costs no host minute."""
+    with torch.device(device):
+        model = DFlashDrafter(config, attention=attention)
     model.load_state_dict({name: t.float() for name, t in state.items()})
     model.head = head
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)  # the head too
