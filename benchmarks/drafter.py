@@ -5,7 +5,8 @@
                                  [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
 
 The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
-attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0 inside fused AdamW (train/optim.py).
+attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0 inside train's
+compiled AdamW (train/optim.py: build_optimizer, clipped_step).
 Modes: eager (what `train` runs without --compile: on a GPU the decoder layers, context projection and
 loss math are regions compiled for dynamic shapes), plain (eager without the regions: the module as
 written, only flex-attention compiled) and compiled (`train --compile`: the whole drafter, padded).
@@ -47,7 +48,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from dflash_cache.train.optim import clipped_step, gradient_norm
+from dflash_cache.train.optim import build_optimizer, clipped_step, gradient_norm
 
 
 PEER_SEED = 1234  # ../shared/peer/speculators_dflash_step.py's generator seed
@@ -111,8 +112,8 @@ def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
 
 
 def random_drafter(config, device: str, tile: int = 128) -> tuple[DFlashDrafter, torch.optim.AdamW]:
-    """The drafter of `config` over a random frozen target head, and its AdamW, seeded; `tile` its
-    BlockMask tile size."""
+    """The drafter of `config` over a random frozen target head, and train's AdamW for it, seeded; `tile`
+    its BlockMask tile size."""
     torch.manual_seed(0)
     with torch.device(device):  # built in place: on the CPU the 27B drafter's initialisation took a minute
         head = TargetHead(
@@ -121,7 +122,7 @@ def random_drafter(config, device: str, tile: int = 128) -> tuple[DFlashDrafter,
             lm_head=torch.randn(config.vocab_size, config.hidden_size) * 0.02,
         ).to(dtype=torch.bfloat16)
         model = DFlashDrafter(config, head, tile=tile)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda")
+    return model, build_optimizer(model, lr=1e-4, weight_decay=0.01)
 
 
 def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: FeatureBatch, anchors: torch.Tensor,

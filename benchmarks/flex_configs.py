@@ -1,14 +1,15 @@
 """Flex-attention forward + backward on the drafter's own masks, per tile size and kernel options.
 
     PYTHONPATH=. python benchmarks/flex_configs.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
-                 [--tiles 128,64] [--options '{}' '{"USE_TMA": true}'] [--autotune]
+                 [--tiles 128,64] [--options '{}' '{"USE_TMA": true}'] [--autotune] [--groups 1,4]
 
 One decoder layer's attention of each kind (sliding, full) on the peer's first batch (benchmarks/drafter.py
 `peer_batches`) at the preset's head counts and head size, bf16, compiled for static shapes as the compiled
 drafter runs it. For each tile size and each kernel-options dict (flex_attention's `kernel_options`;
 keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters.
 --autotune adds Inductor's own search (max_autotune for flex-attention; matmuls stay on ATen), whose
-choices and timings Inductor prints. Every variant's output and gradients are compared with the first
+choices and timings Inductor prints. --groups: each key head's query heads run apart (1) or packed into
+its rows, as the drafter runs them (drafter/attention.py `attend`). Every variant's output and gradients are compared with the first
 variant's on the same inputs (the largest absolute difference; bf16 rounding alone gives about 1e-2).
 benchmarks/mask_density.py gives the share of the computed tiles' pairs that are visible.
 """
@@ -16,6 +17,7 @@ benchmarks/mask_density.py gives the share of the computed tiles' pairs that are
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -28,12 +30,23 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.masks import BlockLayout, block_mask
 
 
-def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int
+def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int, group: int
                 ) -> tuple[float, float, list[torch.Tensor]]:
-    """(mean forward ms, mean backward ms, [output, dq, dk, dv] of the first call)."""
+    """(mean forward ms, mean backward ms, [output, dq, dk, dv] of the first call). With `group` > 1 the
+    query heads of each key head are packed into its rows (drafter/attention.py `attend`), and the
+    times include the packing and unpacking copies."""
     torch._dynamo.reset()
     kernel = torch.compile(flex_attention, dynamic=False, options=compile_options)
-    run = lambda: kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options or None)  # noqa: E731
+    _, heads, queries, dim = q.shape
+    key_heads = heads // group
+
+    def run() -> torch.Tensor:
+        if group == 1:
+            return kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options or None)
+        packed = q[0].view(key_heads, group, queries, dim).transpose(1, 2).reshape(1, key_heads, queries * group, dim)
+        out = kernel(packed, k, v, block_mask=mask, kernel_options=options or None)
+        return out[0].view(key_heads, queries, group, dim).transpose(1, 2).reshape(1, heads, queries, dim)
+
     grad = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
     for t in (q, k, v):
         t.grad = None
@@ -61,6 +74,9 @@ def main() -> None:
     parser.add_argument("--tiles", default="128,64")
     parser.add_argument("--options", nargs="*", default=["{}"], help="kernel_options dicts, as JSON")
     parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--groups", default="1,4",
+                        help="query rows per key head's query: 1 (each query head on its own) or the query heads a key "
+                             "head serves, packed (what the drafter runs)")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
@@ -71,6 +87,7 @@ def main() -> None:
     g = torch.Generator("cuda").manual_seed(0)
     nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     variants = [(json.loads(o), None, o) for o in args.options]
+    groups = [int(g) for g in args.groups.split(",")]
     if args.autotune:
         variants.append(({}, {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}, "autotune"))
     for tile in (int(t) for t in args.tiles.split(",")):
@@ -79,18 +96,18 @@ def main() -> None:
         k, v = (torch.randn(1, nkv, layout.num_keys, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                 for _ in range(2))
         for kind, window in (("sliding", config.sliding_window), ("full", None)):
-            mask = block_mask(layout, window, tile)
             first = None
-            for options, compile_options, name in variants:
+            for group, (options, compile_options, name) in itertools.product(groups, variants):
+                mask = block_mask(layout, window, tile, group)
+                name = f"{name} group {group}"
                 try:
-                    fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters)
+                    fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters, group)
                     first = first or results
                     diff = "  max |diff| vs first: out/dq/dk/dv " + " ".join(
                         f"{(a.float() - b.float()).abs().max().item():.2e}" for a, b in zip(results, first))
                     print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms{diff}", flush=True)
                 except Exception as error:  # a configuration Inductor refuses: say so and go on
                     print(f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-
 
 if __name__ == "__main__":
     main()

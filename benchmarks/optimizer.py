@@ -1,10 +1,11 @@
-"""The drafter's optimizer step alone: torch's fused AdamW against a compiled foreach AdamW, and the
-memory floor of the same bytes.
+"""The drafter's optimizer step alone: train's CompiledAdamW (train/optim.py) against torch's fused AdamW and
+torch's foreach AdamW compiled, and the memory floor of the same bytes.
 
     PYTHONPATH=. python benchmarks/optimizer.py [--preset qwen3.6-27b] [--iters 10]
 
-The preset's drafter parameters (fp32, on the GPU) with random gradients; each variant's mean step
-(with train's clipping, `train/optim.py` clipped_step) in milliseconds and the rate at which it moves AdamW's bytes (parameter, gradient and both moments read,
+The preset's drafter parameters (fp32, on the GPU) with random gradients; each variant's mean step in
+milliseconds (CompiledAdamW's with train's clipping, `train/optim.py` clipped_step, which it does as it
+reads the gradients; torch's without) and the rate at which it moves AdamW's bytes (parameter, gradient and both moments read,
 parameter and moments written: 28 bytes a parameter). The floor is a device-to-device copy of a 2 GiB
 buffer, timed the same way, at the rate it reaches.
 """
@@ -18,7 +19,7 @@ import torch
 from benchmarks.profiling import cuda_mean_ms
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.model import DFlashDrafter
-from dflash_cache.train.optim import clipped_step
+from dflash_cache.train.optim import CompiledAdamW, clipped_step
 
 
 def main() -> None:
@@ -34,12 +35,15 @@ def main() -> None:
     count = sum(p.numel() for p in params)
     norm = torch.tensor(0.5, device="cuda")
     variants = {
-        "fused AdamW (train's)": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
+        "fused AdamW (torch)": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
         "foreach AdamW, compiled": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
+        "CompiledAdamW (train's)": CompiledAdamW(params, lr=1e-4, weight_decay=0.01),
     }
     for name, optimizer in variants.items():
-        step = lambda o=optimizer: clipped_step(o, norm, 1.0)  # noqa: E731
-        if not optimizer.defaults["fused"]:
+        step = optimizer.step
+        if isinstance(optimizer, CompiledAdamW):
+            step = lambda o=optimizer: clipped_step(o, norm, 1.0)  # noqa: E731
+        elif optimizer.defaults["foreach"]:
             step = torch.compile(step)
         ms = cuda_mean_ms(step, args.iters)
         print(f"{name:>24}: {ms:7.2f} ms  {28 * count / ms / 1e9:5.2f} TB/s  ({count / 1e9:.2f} B parameters)", flush=True)

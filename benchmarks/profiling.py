@@ -9,7 +9,8 @@ import torch
 
 
 def profile_run(folder: Path, name: str, run) -> None:
-    """A Chrome trace and a table sorted by GPU time, and the share of the wall time the GPU was busy."""
+    """A Chrome trace and a table sorted by GPU time (every row in the file, the first 60 printed), and the
+    share of the wall time the GPU was busy."""
     from torch.profiler import ProfilerActivity, profile
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -20,14 +21,47 @@ def profile_run(folder: Path, name: str, run) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    prof.export_chrome_trace(str(folder / f"{name}_trace.json"))
+    trace = folder / f"{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()
-    table = averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=110)
+    table = lambda rows: averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=110)  # noqa: E731
     gpu = sum(e.self_device_time_total for e in averages) / 1e6
     summary = f"{name}: wall {wall:.2f} s under the profiler, kernels {gpu:.2f} s ({gpu / wall:.2f} of wall)"
-    (folder / f"{name}_profile.txt").write_text(summary + "\n" + table)
+    idle = gpu_idle(trace)
+    (folder / f"{name}_profile.txt").write_text(summary + "\n" + idle + "\n" + table(-1))
     print(summary)
-    print(table)
+    print(idle)
+    print(table(60))
+
+
+def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
+    """From a Chrome trace: the time between the first and last kernel when no kernel, copy or memset
+    ran, and its longest gaps, each with the host ops that were running when the kernel that ended it
+    was launched (outermost first)."""
+    import json
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not device:
+        return "no kernels in the trace"
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    gaps, end = [], device[0]["ts"] + device[0]["dur"]
+    for e in device[1:]:
+        if e["ts"] - end > least_us:
+            gaps.append((e["ts"] - end, e))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - device[0]["ts"]
+    idle = sum(g for g, _ in gaps)
+    lines = [f"GPU idle {idle / 1e3:.2f} ms of {span / 1e3:.2f} ms between the first and last kernel, "
+             f"in {len(gaps)} gaps over {least_us:.0f} us; the longest:"]
+    for gap, kernel in sorted(gaps, key=lambda g: -g[0])[:shown]:
+        at = launches.get(kernel["args"].get("correlation"), kernel["ts"])
+        around = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e.get("dur", 0)), key=lambda e: -e.get("dur", 0))
+        names = " > ".join(e["name"][:60] for e in around[:4])
+        lines.append(f"  {gap / 1e3:7.2f} ms before {kernel['name'][:60]}  (launched in: {names})")
+    return "\n".join(lines)
 
 
 def cuda_mean_ms(fn, iters: int, warmup: int = 3) -> float:

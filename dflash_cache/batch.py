@@ -33,13 +33,14 @@ class FeatureBatch:
     def position_ids(self) -> torch.Tensor:
         """Position of every token inside its own sample, [N] int64."""
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths)
+        # output_size: without it repeat_interleave waits for the GPU to learn its length
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths, output_size=self.num_tokens)
         return torch.arange(self.num_tokens, device=self.input_ids.device) - starts
 
     def sequence_ids(self) -> torch.Tensor:
         """Index of the sample each token belongs to, [N] int64."""
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "FeatureBatch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731

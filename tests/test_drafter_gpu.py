@@ -79,16 +79,18 @@ def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_b
                    "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not, and dynamo "
                    "specialises a one-tile BlockMask: seen on an H200, session 12")
 def test_eager_regions_compile_nothing_for_a_later_batch_under_128_queries():
-    """Known limitation (ARCHITECTURE.md): after bigger batches, one whose queries fit in one tile
-    (here 24 blocks of 4) compiles the decoder layer once more."""
+    """Known limitation (ARCHITECTURE.md): after bigger batches, one whose packed query rows (queries x
+    the query heads of a key head) fit in one tile (here 12 blocks of 4 x 2 heads) compiles the decoder
+    layer once more."""
     from dflash_cache.drafter.compile_audit import CompileCounts
 
     torch._dynamo.reset()
     model = gpu_drafter()
     runner = DrafterRunner(model)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
     for k, (lengths, seed) in enumerate(BATCHES + [([3000], 5)]):
-        batch, anchors = gpu_batch(lengths, seed)
-        assert (anchors.numel() * model.config.block_size < 128) == (k == len(BATCHES))
+        batch, anchors = gpu_batch(lengths, seed, max_anchors=12 if k == len(BATCHES) else 24)
+        assert (anchors.numel() * model.config.block_size * group <= 128) == (k == len(BATCHES))
         before = CompileCounts.now()
         runner(batch, anchors, gamma=4.0).loss.backward()
         if k >= 2:
@@ -114,18 +116,54 @@ def test_compiled_mode_matches_eager_without_recompiling():
 
 
 @pytest.mark.parametrize("window", [None, 6, 3, 300])
-def test_fused_kernel_equals_dense_reference_across_many_tiles(window):
-    from dflash_cache.drafter.attention import compiled_flex_attention, reference_attention
+@pytest.mark.parametrize("kv_heads", [2, 1, 4])
+def test_fused_kernel_equals_dense_reference_across_many_tiles(window, kv_heads):
+    """The compiled flex kernel with each key head's query heads packed into its rows (attend) against
+    the dense reference."""
+    from dflash_cache.drafter.attention import attend, reference_attention
     from dflash_cache.drafter.masks import BlockLayout, block_mask, dense_mask
 
     batch, anchors = gpu_batch([900, 37, 1500, 260, 12, 700], 3, max_anchors=40)
     layout = BlockLayout.build(batch.sequence_ids(), batch.position_ids(), anchors, 4)
     g = torch.Generator("cuda").manual_seed(3)
-    q = torch.randn(1, 4, layout.num_queries, 16, device="cuda", generator=g)
-    k, v = (torch.randn(1, 2, layout.num_keys, 16, device="cuda", generator=g) for _ in range(2))
-    out = compiled_flex_attention(q, k, v, block_mask=block_mask(layout, window), enable_gqa=True)
-    expected = reference_attention(q, k, v, dense_mask(layout, window))
+    q = torch.randn(layout.num_queries, 4, 16, device="cuda", generator=g)
+    k, v = (torch.randn(layout.num_keys, kv_heads, 16, device="cuda", generator=g) for _ in range(2))
+    out = attend(q, k, v, block_mask(layout, window, group=4 // kv_heads))
+    as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    expected = reference_attention(as_batch(q), as_batch(k), as_batch(v), dense_mask(layout, window))[0].transpose(0, 1)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_compiled_adamw_matches_torch_adamw_on_the_gpu():
+    """train's optimizer on a GPU (its update compiled) against torch's fused AdamW after torch's clipping,
+    on the same gradients, over steps whose learning rate changes; nothing compiles after the first step."""
+    from dflash_cache.drafter.compile_audit import CompileCounts
+    from dflash_cache.train.optim import CompiledAdamW, build_optimizer, clipped_step, gradient_norm
+
+    torch._dynamo.reset()
+    model = gpu_drafter()
+    copies = [p.detach().clone() for p in model.parameters()]
+    ours = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    assert isinstance(ours, CompiledAdamW)
+    reference = torch.optim.AdamW([{"params": [c for c in copies if c.dim() >= 2], "weight_decay": 0.1},
+                                   {"params": [c for c in copies if c.dim() < 2], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95), fused=True)
+    for step, (lengths, seed) in enumerate(BATCHES * 2):
+        batch, anchors = gpu_batch(lengths, seed)
+        model.zero_grad()
+        model(DraftInputs.build(batch, anchors), gamma=4.0).loss.backward()
+        for p, c in zip(model.parameters(), copies):
+            c.grad = p.grad.clone()
+        for optimizer in (ours, reference):
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+        before = CompileCounts.now()
+        clipped_step(ours, gradient_norm(model.parameters()), 0.5)
+        assert step == 0 or not (CompileCounts.now() - before).compiled_anything
+        torch.nn.utils.clip_grad_norm_(copies, 0.5)
+        reference.step()
+        for (name, a), b in zip(model.named_parameters(), copies):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_batch_without_anchors_on_gpu():

@@ -55,11 +55,12 @@ def test_dense_mask_follows_the_rule(lengths, seed, window):
 
 @pytest.mark.parametrize("lengths,seed", CASES)
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("tile", [16, 32])
-def test_block_mask_tiles_are_exact(lengths, seed, window, tile):
-    """Listed tiles are exactly those with a visible pair; 'full' tiles are entirely visible."""
+@pytest.mark.parametrize("tile,group", [(16, 1), (32, 1), (16, 4), (32, 2)])
+def test_block_mask_tiles_are_exact(lengths, seed, window, tile, group):
+    """Listed tiles are exactly those with a visible pair; 'full' tiles are entirely visible. With
+    `group` rows per query, the rule holds row by row."""
     batch, anchors, layout = layout_for(lengths, seed, tile=tile)
-    dense = expected_mask(batch, anchors, window)
+    dense = expected_mask(batch, anchors, window).repeat_interleave(group, dim=0)
     q, kv = dense.shape
     rows, cols = -(-q // tile), -(-kv // tile)
     padded = torch.zeros(rows * tile, cols * tile, dtype=torch.bool)
@@ -69,7 +70,8 @@ def test_block_mask_tiles_are_exact(lengths, seed, window, tile):
     per_tile = lambda m: m.view(rows, tile, cols, tile).sum((1, 3))  # noqa: E731
     visible, present = per_tile(padded), per_tile(exists)
 
-    mask = block_mask(layout, window, tile)
+    mask = block_mask(layout, window, tile, group)
+    assert mask.seq_lengths == (q, kv)
     partial = tiles_of(mask.kv_num_blocks, mask.kv_indices, (rows, cols))
     full = tiles_of(mask.full_kv_num_blocks, mask.full_kv_indices, (rows, cols))
     assert not (partial & full).any()
@@ -77,19 +79,27 @@ def test_block_mask_tiles_are_exact(lengths, seed, window, tile):
     assert torch.equal(full & (visible != present), torch.zeros_like(full))
     context_cols = torch.arange(cols) * tile + tile <= batch.num_tokens
     assert torch.equal(full, (visible == present) & (visible > 0) & context_cols[None, :])
+    rows_seen = mask.mask_mod(0, 0, torch.arange(q)[:, None], torch.arange(kv)[None, :])
+    assert torch.equal(rows_seen, dense)
 
 
 def random_qkv(q_len, kv_len, seed, heads=4, kv_heads=2, dim=8):
+    """q [Q, heads, D], k and v [KV, kv_heads, D]."""
     g = torch.Generator().manual_seed(seed)
-    make = lambda h, t: torch.randn(1, h, t, dim, generator=g)  # noqa: E731
+    make = lambda h, t: torch.randn(t, h, dim, generator=g)  # noqa: E731
     return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
 
 
 @pytest.mark.parametrize("lengths,seed", [CASES[0], CASES[2]])
-def test_flex_attention_equals_dense_reference(lengths, seed):
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (2, 2)])
+def test_flex_attention_equals_dense_reference(lengths, seed, heads, kv_heads):
+    """Query heads packed per key head (attend with a grouped BlockMask) against the reference, which
+    repeats each key head for its query heads."""
     _, _, layout = layout_for(lengths, seed)
-    masks = BatchMasks.build(layout, ["sliding_attention", "full_attention"], sliding_window=6, tile=16)
+    group = heads // kv_heads
+    masks = BatchMasks.build(layout, ["sliding_attention", "full_attention"], sliding_window=6, tile=16, group=group)
     for kind, window in [("sliding_attention", 6), ("full_attention", None)]:
-        q, k, v = random_qkv(layout.num_queries, layout.num_keys, seed)
-        expected = reference_attention(q, k, v, dense_mask(layout, window))
-        torch.testing.assert_close(attend(q, k, v, masks.by_type[kind]), expected, atol=1e-5, rtol=1e-5)
+        q, k, v = random_qkv(layout.num_queries, layout.num_keys, seed, heads, kv_heads)
+        as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+        expected = reference_attention(as_batch(q), as_batch(k), as_batch(v), dense_mask(layout, window))
+        torch.testing.assert_close(attend(q, k, v, masks.by_type[kind]), expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -1,9 +1,10 @@
+import copy
 import warnings
 
 import pytest
 import torch
 
-from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_step, gradient_norm
+from dflash_cache.train.optim import CompiledAdamW, build_optimizer, build_scheduler, clipped_step, gradient_norm
 
 
 def test_schedule_follows_the_step_count_even_when_a_step_is_skipped():
@@ -32,27 +33,63 @@ def test_schedule_resumes_from_its_own_state_and_from_a_lambdalr_one():
     assert schedule.get_last_lr() == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("ours", ["CompiledAdamW", "torch"])
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipping, and a norm below the limit
-def test_clipped_step_equals_clip_grad_norm_then_the_step(fused, max_norm):
-    """Against torch's own clip_grad_norm_ then step, over three steps: the fused AdamW divides by
-    the clipping factor inside its kernel (fused=True runs on the CPU too), the others clip first."""
+def test_clipped_step_equals_clip_grad_norm_then_the_step(ours, max_norm):
+    """Against torch's own clip_grad_norm_ then its plain AdamW step, over four steps with a learning
+    rate that changes and weight decay on one group only: CompiledAdamW's update (run uncompiled on
+    the CPU; the GPU test compiles it) divides by the clipping factor as it reads each gradient, torch's
+    AdamW clips first."""
     torch.manual_seed(0)
-    ours, reference = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
-    reference.load_state_dict(ours.state_dict())
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, fused=fused) for m in (ours, reference)]
+    model, reference = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    reference.load_state_dict(model.state_dict())
+
+    def groups(m):
+        return [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}]
+
+    optimizer = (CompiledAdamW(groups(model), lr=0.1, betas=(0.9, 0.95), compile=False) if ours == "CompiledAdamW"
+                 else torch.optim.AdamW(groups(model), lr=0.1, betas=(0.9, 0.95)))
+    expected = torch.optim.AdamW(groups(reference), lr=0.1, betas=(0.9, 0.95), foreach=False)
     norms = []
-    for step in range(3):
+    for step in range(4):
+        for opt in (optimizer, expected):
+            for group in opt.param_groups:
+                group["lr"] = 0.1 / (step + 1)
         x = torch.randn(16, 8)
-        for model in (ours, reference):
-            model.zero_grad()
-            (model(x) ** 2).sum().backward()
-        total = gradient_norm(ours.parameters())
+        for m in (model, reference):
+            m.zero_grad()
+            (m(x) ** 2).sum().backward()
+        total = gradient_norm(model.parameters())
         norms.append(float(total))
-        clipped_step(optimizers[0], total, max_norm)
+        clipped_step(optimizer, total, max_norm)
         torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm), total)
-        optimizers[1].step()
-        for a, b in zip(ours.parameters(), reference.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert not hasattr(optimizers[0], "grad_scale")
+        expected.step()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b)
     assert (min(norms) > max_norm) if max_norm < 1 else (max(norms) < max_norm)  # each case is what it says
+
+
+def test_compiled_adamw_resumes_from_a_state_dict():
+    """Its state dict is torch's AdamW's: saved and loaded, the next step is the one an uninterrupted
+    optimizer makes."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    first = CompiledAdamW(models[0].parameters(), lr=0.1, compile=False)
+    x = torch.randn(8, 4)
+
+    def step(model, optimizer):
+        model.zero_grad()
+        (model(x) ** 2).sum().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step(models[0], first)
+    models[1].load_state_dict(models[0].state_dict())
+    resumed = CompiledAdamW(models[1].parameters(), lr=0.1, compile=False)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))  # as from a file: no tensor shared
+    step(models[0], first)
+    step(models[1], resumed)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert resumed.state[models[1].weight]["step"].item() == 3

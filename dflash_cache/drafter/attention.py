@@ -38,14 +38,23 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor) -> torch.Tensor:
-    """q [1, Hq, Q, D]; k, v [1, Hkv, KV, D]; mask a BlockMask or a dense [Q, KV] bool -> [1, Hq, Q, D]."""
-    if q.shape[2] == 0:  # a batch without blocks; flex-attention cannot run on no queries
-        mask = torch.zeros(0, k.shape[2], dtype=torch.bool, device=q.device)
+    """q [Q, Hq, D]; k, v [KV, Hkv, D] -> [Q, Hq, D]. `mask` is a dense [Q, KV] bool, or a BlockMask with
+    Hq / Hkv rows per query (masks.block_mask's `group`): each key head then attends once for its
+    group of query heads, their rows packed query by query ([1, Hkv, Q * group, D])."""
+    queries, heads, dim = q.shape
+    # [T, heads, D] -> [1, heads, T, D], contiguous: inductor's CPU flex kernel takes no strided views
+    as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731
+    if queries == 0:  # a batch without blocks; flex-attention cannot run on no queries
+        mask = torch.zeros(0, k.shape[0], dtype=torch.bool, device=q.device)
     if isinstance(mask, torch.Tensor):
-        return reference_attention(q, k, v, mask)
+        return reference_attention(as_batch(q), as_batch(k), as_batch(v), mask)[0].transpose(0, 1)
+    key_heads = k.shape[1]
+    group = heads // key_heads
+    packed = q.view(queries, key_heads, group, dim).permute(1, 0, 2, 3).reshape(1, key_heads, queries * group, dim)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
     kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
-    return kernel(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=KERNEL_OPTIONS)
+    out = kernel(packed, as_batch(k), as_batch(v), block_mask=mask, kernel_options=KERNEL_OPTIONS)
+    return out.view(key_heads, queries, group, dim).permute(1, 0, 2, 3).reshape(queries, heads, dim)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,7 @@ class Attention(nn.Module):
         k = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(x)])))
         v = heads(torch.cat([self.v_proj(context), self.v_proj(x)]))
         q, k = rotate(q, rope_q), rotate(k, rope_kv)
-        # [T, heads, D] -> [1, heads, T, D], contiguous: inductor's CPU flex kernel takes no strided views
-        as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731
-        out = attend(as_batch(q), as_batch(k), as_batch(v), mask)
-        return self.o_proj(out[0].transpose(0, 1).flatten(1))
+        return self.o_proj(attend(q, k, v, mask).flatten(1))
 
 
 class MLP(nn.Module):
@@ -167,7 +164,8 @@ class DFlashDrafter(nn.Module):
         drafter inside its graph)."""
         layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, self.config.block_size, self.tile)
         dense = self.attention == "dense" or (layout.q_seq.device.type == "cpu" and torch.is_grad_enabled())
-        return BatchMasks.build(layout, self.config.layer_types, self.config.sliding_window, dense, self.tile)
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        return BatchMasks.build(layout, self.config.layer_types, self.config.sliding_window, dense, self.tile, group)
 
     def block_states(self, inputs: DraftInputs, masks: BatchMasks | None = None) -> torch.Tensor:
         """The final (normed) hidden states of every block, [A, B, H]."""

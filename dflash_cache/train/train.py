@@ -1,7 +1,8 @@
 """`train`: DFlash drafter training from one or more caches (or a live target), top to bottom.
 
 Precision: the drafter's weights, gradients and AdamW state are fp32 (the master weights); forward
-and backward run under bf16 autocast. The frozen target head (embeddings, LM head) stays bf16.
+and backward run under bf16 autocast. The frozen target head (embeddings, LM head) stays bf16. On a GPU
+AdamW's update is compiled (train/optim.py CompiledAdamW).
 
 Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
 so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
@@ -204,10 +205,10 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
         runner = DrafterRunner(ddp)
     eval_runner = DrafterRunner(model)  # eager and unwrapped: ranks may evaluate different numbers of batches
     if echo is not None and me.device.type == "cuda":
-        echo(f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
-             f"{anchor_budget:,} anchors" if cfg.compile else
-             "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
-             "dynamic shapes, once for every batch shape")
+        echo((f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
+              f"{anchor_budget:,} anchors" if cfg.compile else
+              "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
+              "dynamic shapes, once for every batch shape") + ", and AdamW's update")
 
     log = None
     if echo is not None:
