@@ -47,11 +47,15 @@ class Linear:
         return out
 
 
+def step_dims(config, anchors: int) -> tuple[int, ...]:
+    """(hidden, intermediate, vocab, block queries, k/v width, layers, q/o width, LM-head rows)."""
+    return (config.hidden_size, config.intermediate_size, config.vocab_size, anchors * config.block_size,
+            config.num_key_value_heads * config.head_dim, config.num_hidden_layers,
+            config.num_attention_heads * config.head_dim, anchors * (config.block_size - 1))
+
+
 def step_linears(config, tokens: int, anchors: int) -> list[Linear]:
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv, layers = anchors * config.block_size, config.num_key_value_heads * config.head_dim, config.num_hidden_layers
-    qo = config.num_attention_heads * config.head_dim
-    head_rows = anchors * (config.block_size - 1)
+    h, i, v, q, kv, layers, qo, head_rows = step_dims(config, anchors)
     linears = [Linear("fc", tokens, len(config.target_layer_ids) * config.target_hidden_size, h, input_grad=False)]
     for name, rows, inputs, outputs in [("q_proj", q, h, qo), ("k_proj block", q, h, kv), ("v_proj block", q, h, kv)]:
         linears += [Linear(name, rows, inputs, outputs, layers - 1), Linear(name + " (layer 0)", rows, inputs, outputs, 1, False)]
@@ -66,10 +70,7 @@ def step_linears(config, tokens: int, anchors: int) -> list[Linear]:
 def alternatives(config, tokens: int, anchors: int) -> dict[str, tuple[list[Linear], list[Linear]]]:
     """name -> (the step's matmuls it replaces, the matmuls it runs instead). Merging the context's and
     the block's k and v projections gives the first layer's block rows an input gradient they do not need."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv, layers = anchors * config.block_size, config.num_key_value_heads * config.head_dim, config.num_hidden_layers
-    qo = config.num_attention_heads * config.head_dim
-    head_rows = anchors * (config.block_size - 1)
+    h, i, v, q, kv, layers, qo, head_rows = step_dims(config, anchors)
     base = step_linears(config, tokens, anchors)
     picks = lambda *prefixes: [linear for linear in base if linear.name.startswith(prefixes)]  # noqa: E731
     heads = picks("lm_head")

@@ -52,8 +52,8 @@ class CompiledAdamW(torch.optim.AdamW):
         self.scalars: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _scalar_tensors(self, device: torch.device, lr: float, divisor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lr, divisor) as 0-d device tensors, refilled in place: torch.tensor(x, device=cuda) would wait
-        for the GPU."""
+        """(lr, divisor) as 0-d tensors on `device`, refilled in place (from a divisor on any device):
+        torch.tensor(x, device=cuda) would wait for the GPU."""
         if device not in self.scalars:
             self.scalars[device] = (torch.zeros((), device=device), torch.ones((), device=device))
         lr_tensor, divisor_tensor = self.scalars[device]
@@ -103,7 +103,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max
         return
     if isinstance(optimizer, CompiledAdamW):
         divisor = ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
-        optimizer.step(grad_divisor=divisor.to(params[0].device))
+        optimizer.step(grad_divisor=divisor)
         return
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     optimizer.step()
