@@ -4,9 +4,9 @@
                                  [--modes plain,eager,compiled] [--steps 10] [--tile 128] [--compile-mode M] [--json FILE] [--profile DIR]
                                  [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
 
-The step is what `dflash-cache train` runs: bf16 autocast over fp32 master weights, forward (flex
-attention, fused chunked LM-head cross-entropy), backward, gradient clipping at 1.0 inside train's
-compiled AdamW (train/optim.py: build_optimizer, clipped_step).
+The step is what `dflash-cache train` runs: bf16 autocast, forward (flex attention, fused chunked LM-head
+cross-entropy), backward, gradient clipping at 1.0 inside train's compiled AdamW, whose fp32 masters the
+drafter's bf16 matrices copy (train/optim.py: build_optimizer, clipped_step).
 Modes: eager (what `train` runs without --compile: on a GPU the decoder layers, context projection and
 loss math are regions compiled for dynamic shapes), plain (eager without the regions: the module as
 written, only flex-attention compiled) and compiled (`train --compile`: the whole drafter, padded).

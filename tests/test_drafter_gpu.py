@@ -135,8 +135,9 @@ def test_fused_kernel_equals_dense_reference_across_many_tiles(window, kv_heads)
 
 
 def test_compiled_adamw_matches_torch_adamw_on_the_gpu():
-    """train's optimizer on a GPU (its update compiled) against torch's fused AdamW after torch's clipping,
-    on the same gradients, over steps whose learning rate changes; nothing compiles after the first step."""
+    """train's optimizer on a GPU (its update compiled, fp32 masters of bf16 matrices) against torch's fused
+    AdamW on fp32 weights after torch's clipping, on the same gradients, over steps whose learning rate
+    changes; nothing compiles after the first step."""
     from dflash_cache.drafter.compile_audit import CompileCounts
     from dflash_cache.train.optim import CompiledAdamW, build_optimizer, clipped_step, gradient_norm
 
@@ -153,7 +154,7 @@ def test_compiled_adamw_matches_torch_adamw_on_the_gpu():
         model.zero_grad()
         model(DraftInputs.build(batch, anchors), gamma=4.0).loss.backward()
         for p, c in zip(model.parameters(), copies):
-            c.grad = p.grad.clone()
+            c.grad = p.grad.float()
         for optimizer in (ours, reference):
             for group in optimizer.param_groups:
                 group["lr"] = 1e-2 / (step + 1)
@@ -163,7 +164,10 @@ def test_compiled_adamw_matches_torch_adamw_on_the_gpu():
         torch.nn.utils.clip_grad_norm_(copies, 0.5)
         reference.step()
         for (name, a), b in zip(model.named_parameters(), copies):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+            master = ours.masters.get(a, a)  # the matrices are bf16 copies of fp32 masters
+            torch.testing.assert_close(master, b, atol=1e-5, rtol=1e-4, msg=name)
+            assert torch.equal(a, master.to(a.dtype)), name
+    assert {p.dtype for p in model.parameters() if p.dim() >= 2} == {torch.bfloat16}
 
 
 def test_a_batch_without_anchors_on_gpu():

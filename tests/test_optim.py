@@ -3,8 +3,14 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from dflash_cache.drafter.checkpoint import WEIGHTS_FILE
+from dflash_cache.drafter.model import DFlashDrafter
+
+from dflash_cache.train.checkpoint import load_checkpoint, rng_state, save_checkpoint
 from dflash_cache.train.optim import CompiledAdamW, build_optimizer, build_scheduler, clipped_step, gradient_norm
+from tests.test_drafter_helpers import random_head, tiny_config
 
 
 def test_schedule_follows_the_step_count_even_when_a_step_is_skipped():
@@ -93,3 +99,81 @@ def test_compiled_adamw_resumes_from_a_state_dict():
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
     assert resumed.state[models[1].weight]["step"].item() == 3
+
+
+def test_bf16_matrices_are_copies_of_fp32_masters_that_follow_torch_adamw():
+    """bf16_matrices: the weight matrix becomes bf16 and its master, updated in fp32 from bf16 gradients,
+    follows torch's AdamW on an fp32 copy given the same gradients; the bias stays fp32 with no master."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    reference = [model.weight.detach().clone(), model.bias.detach().clone()]
+    ours = CompiledAdamW([{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}],
+                         lr=0.1, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
+    expected = torch.optim.AdamW([{"params": [reference[0]], "weight_decay": 0.1},
+                                  {"params": [reference[1]], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.95), foreach=False)
+    assert model.weight.dtype == torch.bfloat16 and model.bias.dtype == torch.float32
+    for _ in range(3):
+        model.weight.grad = torch.randn(4, 8).bfloat16()
+        model.bias.grad = torch.randn(4)
+        reference[0].grad, reference[1].grad = model.weight.grad.float(), model.bias.grad.clone()
+        clipped_step(ours, gradient_norm(model.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        expected.step()
+        master = ours.masters[model.weight]
+        torch.testing.assert_close(master, reference[0])
+        assert torch.equal(model.weight, master.bfloat16())
+        torch.testing.assert_close(model.bias, reference[1])
+    assert ours.state[model.weight]["exp_avg"].dtype == torch.float32
+    assert set(ours.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # no master in it
+
+
+def test_gradient_norm_of_bf16_gradients_is_not_rounded_to_bf16():
+    grads = [torch.tensor([1.0, 1.0 / 256]).bfloat16(), torch.tensor([3.0])]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    expected = (1 + 1 / 256**2 + 9) ** 0.5  # 3.16229..., which bf16 would round to 3.15625
+    assert gradient_norm(params).dtype == torch.float32
+    assert abs(gradient_norm(params).item() - expected) < 1e-6
+
+
+def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exactly(tmp_path):
+    """A drafter whose matrices are bf16 copies: its checkpoint stores the fp32 masters as the drafter's
+    weights, and a run resumed from it makes the uninterrupted run's next step exactly (masters, moments
+    and bf16 weights)."""
+    def drafter_and_optimizer():
+        torch.manual_seed(0)
+        model = DFlashDrafter(tiny_config(), random_head(0), tile=16)
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        optimizer = CompiledAdamW(groups, lr=1e-2, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
+        return model, optimizer, build_scheduler(optimizer, 1, 10, 0.1)
+
+    def step(model, optimizer, scheduler, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
+        scheduler.step()
+
+    first = drafter_and_optimizer()
+    for seed in range(2):
+        step(*first, seed)
+    folder = save_checkpoint(tmp_path, 2, first[0], first[1], first[2], {"step": 2}, [rng_state()])
+    saved = load_file(folder / WEIGHTS_FILE)
+    for name, p in first[0].named_parameters():
+        assert saved[name].dtype == torch.float32
+        assert torch.equal(saved[name], first[1].masters.get(p, p)), name
+    assert any(t.dtype == torch.bfloat16 for t in first[0].state_dict().values())  # the model holds copies
+
+    resumed = drafter_and_optimizer()
+    load_checkpoint(folder, *resumed)
+    for models in (first, resumed):
+        step(*models, 2)
+    for (name, a), b in zip(first[0].named_parameters(), resumed[0].parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+        if a in first[1].masters:
+            assert torch.equal(first[1].masters[a], resumed[1].masters[b]), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert resumed[1].state[b][key].dtype == torch.float32
+                assert torch.equal(first[1].state[a][key], resumed[1].state[b][key]), (name, key)

@@ -19,11 +19,13 @@ WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
 
 
-def save_drafter(model: DFlashDrafter, directory: str | Path) -> None:
-    """The drafter's own parameters only (the target head is not part of them)."""
+def save_drafter(model: DFlashDrafter, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The drafter's own parameters only (the target head is not part of them); `weights` in place of
+    its state dict (a training run's fp32 masters)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    weights = model.state_dict() if weights is None else weights
+    state = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
     save_tensors(state, directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
 

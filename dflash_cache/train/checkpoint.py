@@ -4,7 +4,8 @@ A checkpoint is written into `checkpoints/.step-N.tmp/`, every file fsynced, the
 last, then the folder is renamed to `step-N`. Resume takes the newest `step-N` holding
 `complete.json`; a folder without it (a crash mid-write, or anything else) is never picked up.
 
-Contents: the drafter (`save_drafter`'s files, which `dflash-cache export` reads), and
+Contents: the drafter (`save_drafter`'s files, which `dflash-cache export` reads; fp32, the optimizer's
+masters where the model holds bf16 working copies), and
 `train_state.json` + `train_state.safetensors` (state_io.py: nothing is unpickled) with the
 optimizer, the LR scheduler, the RNG states of every rank and the stream position (epoch, batch of
 the epoch's plan) to continue from.
@@ -26,6 +27,7 @@ from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.store.shard import fsync_dir
+from dflash_cache.train.optim import full_precision_weights, load_full_precision_weights
 from dflash_cache.train.state_io import load_state, save_state
 
 CHECKPOINT_DIR = "checkpoints"
@@ -69,7 +71,7 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     tmp = root / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_drafter(drafter, tmp)
+    save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
     save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
     faults.point("checkpoint.write")
@@ -118,7 +120,7 @@ def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim
     config, weights = load_drafter_state(path)
     if config.to_dict() != drafter.config.to_dict():
         raise DFlashCacheError(f"{path}: the checkpoint's drafter config differs from this run's")
-    drafter.load_state_dict({name: t.to(drafter.fc.weight.dtype) for name, t in weights.items()})
+    load_full_precision_weights(drafter, optimizer, weights)
     state = load_state(path, TRAIN_STATE)
     try:
         optimizer.load_state_dict(state["optimizer"])

@@ -10,31 +10,37 @@ import torch
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
     """Weight decay on matrices only; norms and biases are not decayed. On a GPU the update is one
-    compiled function (CompiledAdamW), elsewhere torch's own."""
+    compiled function (CompiledAdamW) and the model's matrices become bf16 working copies of fp32
+    masters held by the optimizer; elsewhere torch's own AdamW on the fp32 weights."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     if bool(params) and params[0].is_cuda:
-        return CompiledAdamW(groups, lr=lr, betas=betas)
+        return CompiledAdamW(groups, lr=lr, betas=betas, bf16_matrices=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
 def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, divisor: torch.Tensor,
-                 beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                 beta1: float, beta2: float, eps: float, weight_decay: float,
+                 masters: list[torch.Tensor] | None = None) -> None:
     """torch.optim.AdamW's update (decoupled weight decay, no amsgrad), tensor by tensor, on the gradients
     divided by `divisor`. `lr` and `divisor` are 0-d tensors on the parameters' device, so that one
-    compiled update serves every step."""
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    compiled update serves every step. With `masters`, the update is made to them in fp32 (from
+    gradients of any float dtype) and each parameter becomes its master's copy in its own dtype."""
+    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        w = p if masters is None else masters[i]
         step += 1
-        g = g / divisor
-        p.mul_(1 - lr * weight_decay)
+        g = g.float() / divisor
+        w.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(eps)
-        p.sub_(m / denom * (lr / (1 - beta1**step)))
+        w.sub_(m / denom * (lr / (1 - beta1**step)))
+        if masters is not None:
+            p.copy_(w)
 
 
 class CompiledAdamW(torch.optim.AdamW):
@@ -42,14 +48,30 @@ class CompiledAdamW(torch.optim.AdamW):
     each parameter's update is one fused kernel, reading and writing its bytes once. On an H200, for
     the 27B drafter's 1.73 B parameters: 11.7 ms a step with the clipping, against 13.9 ms for torch's
     fused AdamW without it, side by side (benchmarks/optimizer.py, BENCHMARKS.md session 15). `step(grad_divisor=...)` divides the
-    gradients as it reads them (clipped_step's clipping)."""
+    gradients as it reads them (clipped_step's clipping).
+
+    bf16_matrices: the fp32 matrices (2-D and larger parameters) become the optimizer's masters (state
+    "master") and the parameters themselves bf16 copies of them, rewritten by each update. The forward
+    then reads bf16 weights and the backward writes bf16 gradients, where bf16 autocast over fp32 weights
+    cast every matrix each forward and every gradient back (4.2 ms of the 27B drafter's step on an H200,
+    session 15); the update's arithmetic and state stay fp32, and so does every vector (norms).
+    Gradients accumulated over micro-batches, and averaged over ranks by DDP, are then summed in bf16.
+    The masters are not in `state_dict()` (a checkpoint holds them as the drafter's weights:
+    `full_precision_weights`, `load_full_precision_weights`)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
-                 eps: float = 1e-8, compile: bool = True):
+                 eps: float = 1e-8, compile: bool = True, bf16_matrices: bool = False):
         # capturable: a loaded checkpoint's step counts stay on the parameters' device
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True)
         self.update = torch.compile(adamw_update) if compile else adamw_update
         self.scalars: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
+        if bf16_matrices:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.dim() >= 2 and p.dtype == torch.float32:
+                        self.masters[p] = p.detach().clone()
+                        p.data = p.data.to(torch.bfloat16)
 
     def _scalar_tensors(self, device: torch.device, lr: float, divisor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(lr, divisor) as 0-d tensors on `device`, refilled in place (from a divisor on any device):
@@ -75,22 +97,65 @@ class CompiledAdamW(torch.optim.AdamW):
             for p in params:
                 state = self.state[p]
                 if not state:
+                    weights = self.masters.get(p, p)
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
                 elif state["step"].device != p.device:
                     state["step"] = state["step"].to(p.device)
             states = [self.state[p] for p in params]
             lr, divisor = self._scalar_tensors(params[0].device, group["lr"], grad_divisor)
             beta1, beta2 = group["betas"]
+            # a group's parameters either all have masters or none (matrices and vectors are apart)
+            masters = [self.masters[p] for p in params] if params[0] in self.masters else None
             self.update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                         [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, divisor,
-                        beta1, beta2, group["eps"], group["weight_decay"])
+                        beta1, beta2, group["eps"], group["weight_decay"], masters)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the moments of a parameter with a master stay fp32 (torch casts every
+        state tensor to its parameter's dtype)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            if p in self.masters and saved_id in state_dict["state"]:
+                for key, value in state_dict["state"][saved_id].items():
+                    if key != "step":
+                        self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
+
+
+def full_precision_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The model's state dict with each bf16 working matrix replaced by its fp32 master (CompiledAdamW's
+    bf16_matrices): the weights a checkpoint stores."""
+    masters = getattr(optimizer, "masters", {})
+    names = {p: name for name, p in model.named_parameters()}
+    state = model.state_dict()
+    for p, master in masters.items():
+        state[names[p]] = master
+    return state
+
+
+def load_full_precision_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                weights: dict[str, torch.Tensor]) -> None:
+    """Loads checkpoint `weights` into the model, each cast to its parameter's dtype, and into the
+    optimizer's masters as they are."""
+    masters = getattr(optimizer, "masters", {})
+    current = model.state_dict()
+    model.load_state_dict({name: t.to(current[name].dtype) for name, t in weights.items()})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p in masters:
+                masters[p].copy_(weights[name])
 
 
 def gradient_norm(parameters) -> torch.Tensor:
-    """The total 2-norm of the parameters' gradients (clip_grad_norm_'s, without the clipping)."""
-    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    """The total 2-norm of the parameters' gradients (clip_grad_norm_'s, without the clipping), in fp32
+    whatever the gradients' dtype (torch's get_total_norm rounds each bf16 gradient's norm to bf16)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:

@@ -1,8 +1,11 @@
 """`train`: DFlash drafter training from one or more caches (or a live target), top to bottom.
 
-Precision: the drafter's weights, gradients and AdamW state are fp32 (the master weights); forward
-and backward run under bf16 autocast. The frozen target head (embeddings, LM head) stays bf16. On a GPU
-AdamW's update is compiled (train/optim.py CompiledAdamW).
+Precision: forward and backward run under bf16 autocast; AdamW's state and arithmetic are fp32, and so
+are the weights a checkpoint stores. On the CPU the weights and gradients are fp32. On a GPU AdamW's
+update is compiled (train/optim.py CompiledAdamW) and holds the fp32 master of each matrix, whose bf16
+copy is the model's weight: matrix gradients are bf16, and so are their sums over micro-batches
+(--grad-accum) and their averages over ranks; norm weights stay fp32. The frozen target head
+(embeddings, LM head) is bf16.
 
 Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
 so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
