@@ -127,6 +127,24 @@ def test_bf16_matrices_are_copies_of_fp32_masters_that_follow_torch_adamw():
     assert set(ours.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # no master in it
 
 
+def test_bf16_matrices_in_one_group_with_vectors():
+    """A single group of a matrix and a vector (benchmarks/optimizer.py passes all parameters so): the same
+    update as two groups."""
+    torch.manual_seed(0)
+    one, two = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    two.load_state_dict(one.state_dict())
+    mixed = CompiledAdamW(one.parameters(), lr=0.1, weight_decay=0.0, compile=False, bf16_matrices=True)
+    apart = CompiledAdamW([{"params": [two.weight]}, {"params": [two.bias]}], lr=0.1, weight_decay=0.0, compile=False,
+                          bf16_matrices=True)
+    for _ in range(2):
+        for m in (one, two):
+            m.weight.grad = torch.ones(4, 8, dtype=torch.bfloat16)
+            m.bias.grad = torch.ones(4)
+        mixed.step()
+        apart.step()
+    assert torch.equal(mixed.masters[one.weight], apart.masters[two.weight]) and torch.equal(one.bias, two.bias)
+
+
 def test_gradient_norm_of_bf16_gradients_is_not_rounded_to_bf16():
     grads = [torch.tensor([1.0, 1.0 / 256]).bfloat16(), torch.tensor([3.0])]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]

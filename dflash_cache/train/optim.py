@@ -103,14 +103,16 @@ class CompiledAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
                 elif state["step"].device != p.device:
                     state["step"] = state["step"].to(p.device)
-            states = [self.state[p] for p in params]
             lr, divisor = self._scalar_tensors(params[0].device, group["lr"], grad_divisor)
             beta1, beta2 = group["betas"]
-            # a group's parameters either all have masters or none (matrices and vectors are apart)
-            masters = [self.masters[p] for p in params] if params[0] in self.masters else None
-            self.update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, divisor,
-                        beta1, beta2, group["eps"], group["weight_decay"], masters)
+            # build_optimizer's groups hold matrices or vectors; another group may hold both
+            for part in ([p for p in params if p in self.masters], [p for p in params if p not in self.masters]):
+                if part:
+                    states = [self.state[p] for p in part]
+                    masters = [self.masters[p] for p in part] if part[0] in self.masters else None
+                    self.update(part, [p.grad for p in part], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, divisor,
+                                beta1, beta2, group["eps"], group["weight_decay"], masters)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the moments of a parameter with a master stay fp32 (torch casts every
