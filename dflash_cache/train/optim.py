@@ -50,14 +50,16 @@ class CompiledAdamW(torch.optim.AdamW):
     fused AdamW without it, side by side (benchmarks/optimizer.py, BENCHMARKS.md session 15). `step(grad_divisor=...)` divides the
     gradients as it reads them (clipped_step's clipping).
 
-    bf16_matrices: the fp32 matrices (2-D and larger parameters) become the optimizer's masters (state
-    "master") and the parameters themselves bf16 copies of them, rewritten by each update. The forward
-    then reads bf16 weights and the backward writes bf16 gradients, where bf16 autocast over fp32 weights
-    cast every matrix each forward and every gradient back (4.2 ms of the 27B drafter's step on an H200,
-    session 15); the update's arithmetic and state stay fp32, and so does every vector (norms).
-    Gradients accumulated over micro-batches, and averaged over ranks by DDP, are then summed in bf16.
-    The masters are not in `state_dict()` (a checkpoint holds them as the drafter's weights:
-    `full_precision_weights`, `load_full_precision_weights`)."""
+    bf16_matrices: the fp32 matrices (2-D and larger parameters) become the optimizer's masters
+    (`masters`, by parameter) and the parameters themselves bf16 copies of them, rewritten by each update.
+    The forward then reads bf16 weights and the backward writes bf16 gradients, where bf16 autocast over
+    fp32 weights cast every matrix each forward and every gradient back: with a prototype (the norms bf16
+    too) the 27B drafter's compiled step took 241.4 ms against 247.6 ms, side by side on an H200
+    (BENCHMARKS.md session 16). The update's
+    arithmetic and state stay fp32, and so does every vector (norms). Gradients accumulated over
+    micro-batches, and averaged over ranks by DDP, are then summed in bf16. The masters are not in
+    `state_dict()`: a checkpoint holds them as the drafter's weights (`full_precision_weights`,
+    `load_full_precision_weights`)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
                  eps: float = 1e-8, compile: bool = True, bf16_matrices: bool = False):
