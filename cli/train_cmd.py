@@ -94,7 +94,9 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
     when the step needs it (the coupled baseline); everything after the source is the same.
 
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
-    checkpoint into the reference layout. Weights are fp32 and the step runs under bf16 autocast.
+    checkpoint into the reference layout. The step runs under bf16 autocast; checkpoints hold fp32
+    weights. On a GPU, AdamW keeps fp32 masters of the matrices, which the drafter uses as bf16 copies
+    (their gradients, summed over --grad-accum and averaged over GPUs, are bf16).
     """
     config = TrainConfig(
         caches=list(caches), live_target=live_target, data=list(data), layers=layers,

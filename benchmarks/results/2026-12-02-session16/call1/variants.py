@@ -9,6 +9,10 @@ Variants (cumulative, in this order):
   rope   + rotary tables as an opaque op (drafter/model.py rotary_tables)
   stats  + per-lane row statistics (drafter/head_kernel.py _row_stats)
   bf16   + bf16 working weights with fp32 masters in the optimizer (a prototype here)
+
+Call 1 ran this file's first form, with the two tried changes in the library's working tree (model.py
+`rotary_tables`, head_kernel.py's per-lane `_row_stats`). Neither was landed, so they now live here, and
+the library's own code is the base.
 """
 
 from __future__ import annotations
@@ -31,35 +35,49 @@ from dflash_cache.train.optim import CompiledAdamW
 
 
 @triton.jit
-def old_row_stats(logits, labels, stride, vocab, nll, argmax, BLOCK: tl.constexpr):  # session 15's
+def lane_row_stats(logits, labels, stride, vocab, nll, argmax, BLOCK: tl.constexpr):  # tried in session 16
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.zeros((), tl.float32)
-    best_index = tl.zeros((), tl.int64)
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_sum = tl.zeros((BLOCK,), tl.float32)
+    lane_index = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        block_max = tl.max(x, 0)
-        block_index = start + tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
-        best_index = tl.where(block_max > running_max, block_index, best_index)
-        new_max = tl.maximum(running_max, block_max)
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
-        running_max = new_max
-    lse = running_max + tl.log(running_sum)
+        new_max = tl.maximum(lane_max, x)
+        seen = new_max > float("-inf")
+        lane_sum = tl.where(seen, lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max), 0.0)
+        lane_index = tl.where(x > lane_max, cols, lane_index)
+        lane_max = new_max
+    row_max = tl.max(lane_max, 0)
+    total = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - row_max), 0.0), 0)
+    best_index = tl.min(tl.where(lane_max == row_max, lane_index, vocab), 0)
+    lse = row_max + tl.log(total)
     target = tl.load(base + tl.load(labels + row)).to(tl.float32)
     tl.store(nll + row, lse - target)
-    tl.store(argmax + row, best_index)
+    tl.store(argmax + row, best_index.to(tl.int64))
 
 
-NEW_ROW_STATS = head_kernel._row_stats
-NEW_ROTARY = model_module.Rotary.forward
-
-
-def inline_rotary(self, positions, dtype):  # session 15's
-    angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
+@torch.library.custom_op("session16::rotary_tables", mutates_args=())
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D]: opaque to Inductor, so computed once a step (tried in session 16)."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@rotary_tables.register_fake
+def _(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], 1, 2 * inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+LIBRARY_ROW_STATS = head_kernel._row_stats
+LIBRARY_ROTARY = model_module.Rotary.forward
+
+
+def table_rotary(self, positions, dtype):
+    return rotary_tables(positions, self.inv_freq, dtype)
 
 
 def time_gpu(fn, iters: int = 20) -> float:
@@ -82,9 +100,9 @@ def row_stats_alone() -> None:
     ref = logits.float()
     ref_nll = torch.logsumexp(ref, -1) - ref.gather(1, labels[:, None])[:, 0]
     ref_arg = ref.argmax(-1)
-    for name, kernel, block, warps in [("old", old_row_stats, 4096, 4), ("new", NEW_ROW_STATS, 4096, 8),
-                                       ("new", NEW_ROW_STATS, 4096, 16), ("new", NEW_ROW_STATS, 2048, 4),
-                                       ("new", NEW_ROW_STATS, 2048, 8), ("new", NEW_ROW_STATS, 8192, 16)]:
+    for name, kernel, block, warps in [("old", LIBRARY_ROW_STATS, 4096, 4), ("new", lane_row_stats, 4096, 8),
+                                       ("new", lane_row_stats, 4096, 16), ("new", lane_row_stats, 2048, 4),
+                                       ("new", lane_row_stats, 2048, 8), ("new", lane_row_stats, 8192, 16)]:
         nll = torch.empty(rows, device="cuda")
         arg = torch.empty(rows, dtype=torch.int64, device="cuda")
         run = lambda: kernel[(rows,)](logits, labels, logits.stride(0), vocab, nll, arg, BLOCK=block, num_warps=warps)  # noqa: E731
@@ -94,20 +112,9 @@ def row_stats_alone() -> None:
               f"argmax equal {torch.equal(arg, ref_arg)}", flush=True)
 
 
-def master_update(params, masters, grads, exp_avgs, exp_avg_sqs, steps, lr, divisor, beta1, beta2, eps, weight_decay):
-    for p, w, g, m, v, step in zip(params, masters, grads, exp_avgs, exp_avg_sqs, steps):
-        step += 1
-        g = g.float() / divisor
-        w.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(eps)
-        w.sub_(m / denom * (lr / (1 - beta1**step)))
-        p.copy_(w)
-
-
 class MasterAdamW(CompiledAdamW):
-    """Prototype: bf16 parameters, fp32 masters and moments in the optimizer state."""
+    """Prototype: every parameter bf16 (norms too), fp32 masters and moments in the optimizer state. Call 1
+    ran its own copy of the update, since landed as train/optim.py adamw_update's `masters`."""
 
     def __init__(self, model, groups, **kw):
         super().__init__(groups, **kw)
@@ -120,7 +127,6 @@ class MasterAdamW(CompiledAdamW):
                 state["exp_avg_sq"] = torch.zeros_like(p)
         for p in model.parameters():
             p.data = p.data.bfloat16()
-        self.update = torch.compile(master_update)
 
     @torch.no_grad()
     def step(self, closure=None, grad_divisor=None):
@@ -129,16 +135,17 @@ class MasterAdamW(CompiledAdamW):
             states = [self.state[p] for p in params]
             lr, divisor = self._scalar_tensors(params[0].device, group["lr"], grad_divisor)
             beta1, beta2 = group["betas"]
-            self.update(params, [s["master"] for s in states], [p.grad for p in params], [s["exp_avg"] for s in states],
+            self.update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                         [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, divisor,
-                        beta1, beta2, group["eps"], group["weight_decay"])
+                        beta1, beta2, group["eps"], group["weight_decay"], [s["master"] for s in states])
 
 
 def step_variant(name: str, active: set[str], args, config) -> None:
     torch._dynamo.reset()
-    head_kernel._row_stats = NEW_ROW_STATS if "stats" in active else old_row_stats
-    head_kernel.STATS_WARPS = 8 if "stats" in active else 4
-    model_module.Rotary.forward = NEW_ROTARY if "rope" in active else inline_rotary
+    # call 1 launched the per-lane kernel with 8 warps (its row_terms took them from a constant); the
+    # library's row_terms launches with Triton's default of 4
+    head_kernel._row_stats = lane_row_stats if "stats" in active else LIBRARY_ROW_STATS
+    model_module.Rotary.forward = table_rotary if "rope" in active else LIBRARY_ROTARY
     model, optimizer = random_drafter(config, "cuda")
     if "bf16" in active:
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
