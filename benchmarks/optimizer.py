@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3.6-27b")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
+
     def drafter_parameters() -> list[torch.nn.Parameter]:
         with torch.device("cuda"):
             return list(DFlashDrafter(load_drafter_config(args.preset)).parameters())
