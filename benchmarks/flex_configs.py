@@ -27,7 +27,21 @@ from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
-from dflash_cache.drafter.masks import BlockLayout, block_mask
+from dflash_cache.drafter.masks import BlockLayout, _key_intervals, block_mask
+
+
+def interval_mask_mod(layout: BlockLayout, window: int | None, group: int):
+    """The same rule as masks.visible, as each query's two key intervals (masks._key_intervals): four
+    loads per query row and none per key, where `visible` loads three arrays per key."""
+    q = layout.num_queries
+    bounds = torch.zeros(4, layout.q_seq.shape[0], dtype=torch.int64, device=layout.q_seq.device)
+    bounds[:, :q] = torch.stack([t[:q] for t in _key_intervals(layout, window)])  # padding rows: empty
+    ctx_lo, ctx_hi, blk_lo, blk_hi = bounds
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        r = q_idx // group
+        return ((kv_idx >= ctx_lo[r]) & (kv_idx < ctx_hi[r])) | ((kv_idx >= blk_lo[r]) & (kv_idx < blk_hi[r]))
+    return mask_mod
 
 
 def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int, group: int
@@ -78,6 +92,8 @@ def main() -> None:
                         help="query rows per key head's query: 1 (each query head on its own) or the query heads a key "
                              "head serves, packed (what the drafter runs)")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--mask-mods", default="rule",
+                        help="rule (masks.visible, what the drafter runs) and/or intervals (interval_mask_mod)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     batch = peer_batches(config, args.tokens, "cuda", count=1)[0]
@@ -97,9 +113,12 @@ def main() -> None:
                 for _ in range(2))
         for kind, window in (("sliding", config.sliding_window), ("full", None)):
             first = None
-            for group, (options, compile_options, name) in itertools.product(groups, variants):
+            for mod, group, (options, compile_options, name) in itertools.product(
+                    args.mask_mods.split(","), groups, variants):
                 mask = block_mask(layout, window, tile, group)
-                name = f"{name} group {group}"
+                if mod == "intervals":
+                    mask.mask_mod = interval_mask_mod(layout, window, group)
+                name = f"{name} group {group} {mod}"
                 try:
                     fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters, group)
                     first = first or results
