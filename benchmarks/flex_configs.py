@@ -9,7 +9,8 @@ drafter runs it. For each tile size and each kernel-options dict (flex_attention
 keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters.
 --autotune adds Inductor's own search (max_autotune for flex-attention; matmuls stay on ATen), whose
 choices and timings Inductor prints. --groups: each key head's query heads run apart (1) or packed into
-its rows, as the drafter runs them (drafter/attention.py `attend`). Every variant's output and gradients are compared with the first
+its rows, as the drafter runs them (drafter/attention.py `attend`). --mask-mods: the BlockMask's mask function
+in its interval form (masks.key_intervals) and/or as the rule (masks.visible). Every variant's output and gradients are compared with the first
 variant's on the same inputs (the largest absolute difference; bf16 rounding alone gives about 1e-2).
 benchmarks/mask_density.py gives the share of the computed tiles' pairs that are visible.
 """
@@ -27,20 +28,14 @@ from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
-from dflash_cache.drafter.masks import BlockLayout, _key_intervals, block_mask
+from dflash_cache.drafter.masks import BlockLayout, block_mask, visible
 
 
-def interval_mask_mod(layout: BlockLayout, window: int | None, group: int):
-    """The same rule as masks.visible, as each query's two key intervals (masks._key_intervals): four
-    loads per query row and none per key, where `visible` loads three arrays per key."""
-    q = layout.num_queries
-    bounds = torch.zeros(4, layout.q_seq.shape[0], dtype=torch.int64, device=layout.q_seq.device)
-    bounds[:, :q] = torch.stack([t[:q] for t in _key_intervals(layout, window)])  # padding rows: empty
-    ctx_lo, ctx_hi, blk_lo, blk_hi = bounds
-
+def rule_mask_mod(layout: BlockLayout, window: int | None, group: int):
+    """The mask function as the rule itself (masks.visible: three loads per key), which the drafter's
+    BlockMasks ran up to session 16, in place of their interval form."""
     def mask_mod(b, h, q_idx, kv_idx):
-        r = q_idx // group
-        return ((kv_idx >= ctx_lo[r]) & (kv_idx < ctx_hi[r])) | ((kv_idx >= blk_lo[r]) & (kv_idx < blk_hi[r]))
+        return visible(layout, q_idx // group, kv_idx, window)
     return mask_mod
 
 
@@ -92,8 +87,8 @@ def main() -> None:
                         help="query rows per key head's query: 1 (each query head on its own) or the query heads a key "
                              "head serves, packed (what the drafter runs)")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--mask-mods", default="rule",
-                        help="rule (masks.visible, what the drafter runs) and/or intervals (interval_mask_mod)")
+    parser.add_argument("--mask-mods", default="intervals",
+                        help="intervals (the BlockMask's own mask function, what the drafter runs) and/or rule (rule_mask_mod)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     batch = peer_batches(config, args.tokens, "cuda", count=1)[0]
@@ -116,8 +111,8 @@ def main() -> None:
             for mod, group, (options, compile_options, name) in itertools.product(
                     args.mask_mods.split(","), groups, variants):
                 mask = block_mask(layout, window, tile, group)
-                if mod == "intervals":
-                    mask.mask_mod = interval_mask_mod(layout, window, group)
+                if mod == "rule":
+                    mask.mask_mod = rule_mask_mod(layout, window, group)
                 name = f"{name} group {group} {mod}"
                 try:
                     fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters, group)

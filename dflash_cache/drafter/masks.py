@@ -7,8 +7,9 @@ keys N + j*B .. N + j*B + B-1); queries are the block tokens. A query of block j
 and on sliding-window layers only keys at positions p with p <= its own position and
 (its position - p) < window, which makes the block causal and bounds the context.
 
-The BlockMask's tile lists are computed from these intervals directly (no dense [Q, KV] mask is
-ever built); `dense_mask` evaluates the same rule on the full grid for the reference attention.
+The BlockMask's tile lists and its mask function are computed from each query's two key intervals
+(no dense [Q, KV] mask is ever built); `dense_mask` evaluates the rule itself (`visible`) on the full
+grid for the reference attention.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BlockLayout:
     q_start: torch.Tensor  # [padded_q] packed index of the first token of its sequence
     q_block: torch.Tensor  # [padded_q]
     q_slot: torch.Tensor  # [padded_q] index inside the block
+    q_first_key: torch.Tensor  # [padded_q] packed index of its block's first key (-block_size: padding)
     kv_seq: torch.Tensor  # [padded_kv] (-2: padding)
     kv_pos: torch.Tensor  # [padded_kv]
     kv_block: torch.Tensor  # [padded_kv] block id of a block key, -1 for a context key
@@ -64,10 +66,11 @@ class BlockLayout:
         q_start = per_query(anchors - positions[anchors], 0)
         q_seq = per_query(seq_ids[anchors], -1)
         q_pos = per_query(positions[anchors], 0) + q_slot
+        q_first_key = per_query(n + torch.arange(a, device=device) * b, -b)
         kv_seq = torch.cat([seq_ids, q_seq[:q], seq_ids.new_full((pad_kv,), -2)])
         kv_pos = torch.cat([positions, q_pos[:q], positions.new_zeros(pad_kv)])
         kv_block = torch.cat([q_block.new_full((n,), -1), q_block[:q], q_block.new_full((pad_kv,), -1)])
-        return cls(n, q, b, q_seq, q_pos, q_anchor, q_start, q_block, q_slot, kv_seq, kv_pos, kv_block)
+        return cls(n, q, b, q_seq, q_pos, q_anchor, q_start, q_block, q_slot, q_first_key, kv_seq, kv_pos, kv_block)
 
 
 def visible(layout: BlockLayout, q: torch.Tensor, kv: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -90,16 +93,18 @@ def dense_mask(layout: BlockLayout, window: int | None) -> torch.Tensor:
     return visible(layout, q, kv, window)
 
 
-def _key_intervals(layout: BlockLayout, window: int | None) -> tuple[torch.Tensor, ...]:
-    """Per query: the packed-key intervals [lo, hi) it sees, context then own block."""
-    ctx_lo, ctx_hi = layout.q_start, layout.q_anchor
-    block_start = layout.num_context + layout.q_block * layout.block_size
-    blk_lo, blk_hi = block_start, block_start + layout.block_size
+def key_intervals(layout: BlockLayout, q: torch.Tensor, window: int | None) -> tuple[torch.Tensor, ...]:
+    """For queries `q`: the packed-key intervals [lo, hi) each sees, context then own block (empty for
+    padding queries); the same rule as `visible`."""
+    ctx_lo, ctx_hi = layout.q_start[q], layout.q_anchor[q]
+    blk_lo = layout.q_first_key[q]
+    blk_hi = blk_lo + layout.block_size
     if window is not None:
-        reach = layout.q_slot - window + 1  # the oldest visible key is `window - 1` positions back
-        ctx_lo = torch.maximum(ctx_lo, layout.q_anchor + reach)
-        blk_lo = block_start + reach.clamp_min(0)
-        blk_hi = block_start + layout.q_slot + 1
+        slot = layout.q_slot[q]
+        reach = slot - window + 1  # the oldest visible key is `window - 1` positions back
+        ctx_lo = torch.maximum(ctx_lo, ctx_hi + reach)
+        blk_hi = blk_lo + slot + 1
+        blk_lo = blk_lo + reach.clamp_min(0)
     return ctx_lo, ctx_hi, blk_lo, blk_hi
 
 
@@ -135,7 +140,7 @@ def block_mask(layout: BlockLayout, window: int | None, tile: int = 128, group: 
     shape = (-(-q // per_tile), -(-layout.num_keys // tile))
     index = torch.arange(q, device=layout.q_seq.device)
     q_tile = index // per_tile  # the group's rows of a query share its tile
-    ctx_lo, ctx_hi, blk_lo, blk_hi = (t[:q] for t in _key_intervals(layout, window))
+    ctx_lo, ctx_hi, blk_lo, blk_hi = key_intervals(layout, index, window)
 
     def overlapping(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         first = lo // tile
@@ -149,7 +154,10 @@ def block_mask(layout: BlockLayout, window: int | None, tile: int = 128, group: 
     partial = (touched > 0) & ~full
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return visible(layout, q_idx // group, kv_idx, window)
+        # per query row four loads and none per key: cheaper in the kernels' partial tiles than `visible`
+        # (benchmarks/flex_configs.py --mask-mods)
+        lo, hi, first, last = key_intervals(layout, q_idx // group, window)
+        return ((kv_idx >= lo) & (kv_idx < hi)) | ((kv_idx >= first) & (kv_idx < last))
 
     kv_count, kv_indices = _ordered(partial)
     full_count, full_indices = _ordered(full)

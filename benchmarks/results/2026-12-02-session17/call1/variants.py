@@ -8,6 +8,10 @@ Variants (cumulative, in this order):
   intervals  + the mask function as each query's two key intervals (benchmarks/flex_configs.py
              interval_mask_mod): no per-key loads in the kernels' partial tiles
   tma        + flex-attention's USE_TMA kernel option (forward and backward)
+
+It ran at commit 08fdd76, whose benchmarks/flex_configs.py held interval_mask_mod (the intervals precomputed
+into one tensor); both variants that used it failed in Inductor (variants.log). The landed interval form
+(masks.key_intervals, evaluated inside the mask function) is measured by call 2's script.
 """
 
 from __future__ import annotations
