@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -136,33 +137,58 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
     return out.loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
 
-def run_mode(mode: str, args, config, device: str) -> dict:
-    model, optimizer = random_drafter(config, device, args.tile)
-    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
-                           regions=False if mode == "plain" else None, compile_mode=args.compile_mode)
-    batches = peer_batches(config, args.tokens, device)
+def drafter_step(config, device: str, mode: str, tokens: int, anchor_budget: int, tile: int = 128,
+                 compile_mode: str | None = None) -> tuple[Callable[[int], torch.Tensor], DFlashDrafter,
+                                                           list[FeatureBatch], list[torch.Tensor]]:
+    """(step k -> its loss, the drafter, the peer's two batches, their anchors): train_step on batch k % 2
+    for a random drafter of `config` run in `mode` (plain, eager or compiled)."""
+    model, optimizer = random_drafter(config, device, tile)
+    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=tokens, anchor_budget=anchor_budget,
+                           regions=False if mode == "plain" else None, compile_mode=compile_mode)
+    batches = peer_batches(config, tokens, device)
     g = torch.Generator(device=device).manual_seed(0)
-    anchors = [sample_anchors(batch, config.block_size, args.anchors, g, max_total=args.anchors) for batch in batches]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    anchors = [sample_anchors(batch, config.block_size, anchor_budget, g, max_total=anchor_budget) for batch in batches]
 
     def step(k: int) -> torch.Tensor:
         return train_step(runner, model, optimizer, batches[k % 2], anchors[k % 2], device)
 
-    started = time.perf_counter()
-    for k in range(args.warmup):
-        step(k)
+    return step, model, batches, anchors
+
+
+def timed_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: str,
+                progress: Callable[[int, float], None] | None = None) -> tuple[float, list[float], list[torch.Tensor]]:
+    """(warm-up seconds, each timed step's seconds, every step's loss): `warmup` steps, then `steps` timed
+    ones, each waited for; the GPU's peak memory counts from the first timed step."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    started, losses = time.perf_counter(), []
+    for k in range(warmup):
+        losses.append(step(k))
         sync()
-        print(f"  {mode} warm-up step {k + 1}/{args.warmup}: {time.perf_counter() - started:.1f} s", flush=True)
+        if progress:
+            progress(k, time.perf_counter() - started)
     warmup_s = time.perf_counter() - started
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for k in range(args.steps):
+    times = []
+    for k in range(steps):
         sync()
         t0 = time.perf_counter()
         losses.append(step(k))
         sync()
         times.append(time.perf_counter() - t0)
+    return warmup_s, times, losses
+
+
+def run_mode(mode: str, args, config, device: str) -> dict:
+    step, model, batches, anchors = drafter_step(config, device, mode, args.tokens, args.anchors, args.tile,
+                                                 args.compile_mode)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def progress(k: int, seconds: float) -> None:
+        print(f"  {mode} warm-up step {k + 1}/{args.warmup}: {seconds:.1f} s", flush=True)
+
+    warmup_s, times, losses = timed_steps(step, args.warmup, args.steps, device, progress)
+    losses = losses[args.warmup:]
     if args.profile:
         profile_run(args.profile, f"drafter_{mode}", lambda: [step(k) for k in range(3)])
     mask_times = []

@@ -6,19 +6,9 @@ timed alone (bf16, mean of 30 after 5): logits = states @ W^T (forward) and stat
 
 import torch
 
+from benchmarks.profiling import cuda_mean_ms
+
 HIDDEN, VOCAB, ROWS = 5120, 248320, 7680  # 512 blocks x 15 predicted rows
-
-
-def time_ms(fn, iters=30):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -36,7 +26,7 @@ def main():
             "input grad G @ W in 512-row pieces": lambda: torch.cat([p @ weight for p in gr.split(512)]),
         }
         for name, fn in cases.items():
-            ms = time_ms(fn)
+            ms = cuda_mean_ms(fn, iters=30, warmup=5)
             print(f"rows {rows:>5} {name:<36} {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
                   f"a step's {ROWS} rows: {ms * ROWS / rows:6.2f} ms", flush=True)
 

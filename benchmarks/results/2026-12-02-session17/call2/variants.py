@@ -3,22 +3,22 @@ batches, 16K tokens, 512 anchors) with the BlockMasks' mask function as the rule
 16's code) and in the interval form this commit lands (masks.key_intervals).
 
     PYTHONPATH=. python benchmarks/results/2026-12-02-session17/call2/variants.py --mode compiled|eager [--variants rule,intervals]
+
+Call 2 ran this file's first form, whose own copy of the timing loop measured the peak memory over the
+warm-up too; the loop is now benchmarks/drafter.py's (`timed_steps`, through ../variant_step.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
-import torch
+import sys
+from pathlib import Path
 
 import dflash_cache.drafter.masks as masks
-from benchmarks.drafter import peer_batches, random_drafter, step_flops, train_step
 from benchmarks.flex_configs import rule_mask_mod
-from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.config import load_drafter_config
-from dflash_cache.drafter.runner import DrafterRunner
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from variant_step import time_variant  # noqa: E402
 
 LIBRARY_BLOCK_MASK = masks.block_mask
 
@@ -29,53 +29,14 @@ def rule_block_mask(layout, window, tile=128, group=1):
     return mask
 
 
-def step_variant(name: str, args, config) -> None:
-    torch._dynamo.reset()
-    masks.block_mask = rule_block_mask if name == "rule" else LIBRARY_BLOCK_MASK
-    model, optimizer = random_drafter(config, "cuda")
-    runner = DrafterRunner(model, compiled=args.mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors)
-    batches = peer_batches(config, args.tokens, "cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    anchors = [sample_anchors(b, config.block_size, args.anchors, g, max_total=args.anchors) for b in batches]
-    started = time.perf_counter()
-    losses = []
-    for k in range(args.warmup):
-        losses.append(train_step(runner, model, optimizer, batches[k % 2], anchors[k % 2], "cuda"))
-    torch.cuda.synchronize()
-    warm = time.perf_counter() - started
-    times = []
-    for k in range(args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        losses.append(train_step(runner, model, optimizer, batches[k % 2], anchors[k % 2], "cuda"))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.mean(times)
-    flops = statistics.mean(step_flops(config, batches[k % 2], anchors[k % 2]) for k in range(2))
-    print(f"step {args.mode} {name:>9}: {step_s * 1e3:.1f} ms (median {statistics.median(times) * 1e3:.1f})  "
-          f"MFU {flops / step_s / 790e12:.1%}  warm-up {warm:.0f} s  peak {torch.cuda.max_memory_allocated() / 1e9:.1f} GB  "
-          f"losses {' '.join(f'{l.item():.4f}' for l in losses[:6])}", flush=True)
-    del model, optimizer, runner
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="rule,intervals")
     parser.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--anchors", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    config = load_drafter_config("qwen3.6-27b")
     for name in args.variants.split(","):
-        try:
-            step_variant(name, args, config)
-        except Exception as error:  # a variant Inductor refuses: say so and go on
-            print(f"step {args.mode} {name:>9}: failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
-            torch.cuda.empty_cache()
+        masks.block_mask = rule_block_mask if name == "rule" else LIBRARY_BLOCK_MASK
+        time_variant(name, args.mode)
 
 
 if __name__ == "__main__":
