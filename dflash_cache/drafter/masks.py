@@ -93,8 +93,8 @@ def dense_mask(layout: BlockLayout, window: int | None) -> torch.Tensor:
     return visible(layout, q, kv, window)
 
 
-def key_intervals(layout: BlockLayout, q: torch.Tensor, window: int | None) -> tuple[torch.Tensor, ...]:
-    """For queries `q`: the packed-key intervals [lo, hi) each sees, context then own block (empty for
+def key_intervals(layout: BlockLayout, q: torch.Tensor | slice, window: int | None) -> tuple[torch.Tensor, ...]:
+    """For queries `q` (indices or a slice): the packed-key intervals [lo, hi) each sees, context then own block (empty for
     padding queries); the same rule as `visible`."""
     ctx_lo, ctx_hi = layout.q_start[q], layout.q_anchor[q]
     blk_lo = layout.q_first_key[q]
@@ -140,7 +140,7 @@ def block_mask(layout: BlockLayout, window: int | None, tile: int = 128, group: 
     shape = (-(-q // per_tile), -(-layout.num_keys // tile))
     index = torch.arange(q, device=layout.q_seq.device)
     q_tile = index // per_tile  # the group's rows of a query share its tile
-    ctx_lo, ctx_hi, blk_lo, blk_hi = key_intervals(layout, index, window)
+    ctx_lo, ctx_hi, blk_lo, blk_hi = key_intervals(layout, slice(0, q), window)  # every real query
 
     def overlapping(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         first = lo // tile
