@@ -344,7 +344,7 @@ def step_record(stats: list[float], grad_norm: float, lr: float, seconds: float,
     record = {
         "step": position["step"], "epoch": position["epoch"], "loss": loss / (me.world * grad_accum),
         "tau": tau_blocks / max(blocks, 1), "acc_1": hits / max(counted, 1), "grad_norm": grad_norm, "lr": lr,
-        "tokens": int(tokens), "tokens_per_s": tokens / max(seconds, 1e-9), "step_time_s": seconds,
+        "tokens": int(tokens), "blocks": int(blocks), "tokens_per_s": tokens / max(seconds, 1e-9), "step_time_s": seconds,
         "skipped": position["skipped"],
     }
     if me.device.type == "cuda":

@@ -1,0 +1,149 @@
+"""`dflash-cache train` as a user runs it, against the benchmark's step on the same batches and anchors.
+
+    PYTHONPATH=. python benchmarks/train_command.py [--preset qwen3.6-27b] [--tokens 16384] [--max-anchors 64]
+                                                    [--steps 25] [--warmup 5] [--modes eager,compiled]
+                                                    [--command "dflash-cache"] [--defaults] [--json FILE]
+
+1. A synthetic bf16-zstd cache shaped like the preset's target (for qwen3.6-27b: 5 layers x hidden 5120,
+   vocabulary 248,320; samples of 1000-4000 tokens, random hidden states, as benchmarks/train.py writes
+   it) with a random target head, on local disk; enough samples for --steps batches of --tokens.
+2. With --defaults: `train --drafter PRESET` with no size options, one step: does the default fit?
+3. For each mode, `train --drafter PRESET --token-budget T --max-anchors M --steps S` (`--compile` for
+   compiled), in a new process with new empty Triton and Inductor caches: the tokens/s of the steps after
+   --warmup, from the run's metrics.jsonl, its first --warmup steps' seconds, and the process's wall time.
+4. Then, in this process, the same batches (the trainer's plan) and anchors (its seeds) through
+   benchmarks/drafter.py's step for a drafter built as train builds it: the step without the training
+   loop around it. The first step's loss must equal the trainer's (same weights, batch and anchors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.drafter import timed_steps, train_step
+from benchmarks.train import write_cache
+from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.stream.caches import CacheSet
+from dflash_cache.stream.epochs import TRAIN, EpochPlan, batch_seed
+from dflash_cache.stream.loader import Loader
+from dflash_cache.train.model import build_drafter, check_head, drafter_config_for
+from dflash_cache.train.optim import build_optimizer
+from tests.test_train_helpers import write_head
+
+SEED, LR, WEIGHT_DECAY = 0, 6e-4, 0.01  # train's defaults
+
+
+def run_command(command: list[str], run_dir: Path, log: Path) -> dict:
+    """The command in a new process with new empty compile caches; its exit code, wall seconds and metrics."""
+    scratch = Path(tempfile.mkdtemp(prefix="compile-caches-"))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(scratch / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor")}
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    wall = time.perf_counter() - started
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return {"rc": rc, "wall_s": wall, "steps": [r for r in records if "loss" in r], "last_line": log.read_text().strip().splitlines()[-1:]}
+
+
+def steady(steps: list[dict], warmup: int) -> dict:
+    timed = steps[warmup:]
+    seconds = sum(r["step_time_s"] for r in timed)
+    return {"tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_ms": 1e3 * seconds / len(timed),
+            "warmup_s": sum(r["step_time_s"] for r in steps[:warmup]), "blocks_per_step": sum(r["blocks"] for r in timed) / len(timed),
+            "tokens_per_step": sum(r["tokens"] for r in timed) / len(timed), "first_loss": steps[0]["loss"],
+            "peak_gib": max(r.get("gpu_mem_gib", 0) for r in steps)}
+
+
+def harness(cache: Path, preset: str, mode: str, tokens: int, max_anchors: int, steps: int, warmup: int,
+            device: torch.device) -> dict:
+    """benchmarks/drafter.py's step on the trainer's batches and anchors, with the trainer's drafter."""
+    caches = CacheSet([cache])
+    keys, _ = caches.split(0.0)
+    plan = EpochPlan(keys, caches.lengths, tokens, SEED, 1, 1)
+    batches = plan.rank_batches(0, 0)[:steps]
+    config, _ = drafter_config_for(preset, caches.spec, caches.head_dir)
+    model = build_drafter(config, TargetHead.load(check_head(caches), device=device), device, SEED)
+    optimizer = build_optimizer(model, LR, WEIGHT_DECAY)
+    anchor_budget = plan.anchor_bound(0, config.block_size, max_anchors) if mode == "compiled" else None
+    runner = DrafterRunner(model, compiled=mode == "compiled", anchor_budget=anchor_budget,
+                           token_budget=max(tokens, max(caches.lengths[k] for k in keys)))
+    with Loader(caches, batches, device) as loader:
+        on_gpu = list(loader)
+    anchors = [sample_anchors(b, config.block_size, max_anchors, torch.Generator(device).manual_seed(batch_seed(SEED, TRAIN, 0, i)),
+                              max_total=anchor_budget) for i, b in enumerate(on_gpu)]
+    warmup_s, times, losses = timed_steps(
+        lambda k: train_step(runner, model, optimizer, on_gpu[k], anchors[k], device.type), 0, len(on_gpu), device.type)
+    timed = range(warmup, len(on_gpu))
+    seconds = sum(times[k] for k in timed)
+    caches.close()
+    return {"tokens_per_s": sum(on_gpu[k].num_tokens for k in timed) / seconds, "step_ms": 1e3 * seconds / len(timed),
+            "warmup_s": sum(times[:warmup]), "blocks_per_step": sum(anchors[k].numel() for k in timed) / len(timed),
+            "first_loss": losses[0].item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.6-27b")
+    parser.add_argument("--tokens", type=int, default=16384, help="--token-budget of the runs")
+    parser.add_argument("--max-anchors", type=int, default=64, help="--max-anchors of the runs (per sequence)")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the tokens/s")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--command", default="dflash-cache", help="how to call the CLI")
+    parser.add_argument("--defaults", action="store_true", help="first, one step with train's default sizes")
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: a check of this script with a tiny drafter JSON as --preset")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = load_drafter_config(args.preset)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-train-command-"))
+    cache = work / "cache"
+    started = time.perf_counter()
+    write_cache(cache, config, int(1.2 * args.steps * args.tokens), device.type)
+    write_head(cache, config.target_hidden_size, config.vocab_size)
+    print(f"cache: {len(CacheSet([cache]).lengths)} samples written in {time.perf_counter() - started:.0f} s", flush=True)
+    base = [*shlex.split(args.command), "train", "--cache", str(cache), "--drafter", args.preset, "--save-every", "0",
+            "--eval-fraction", "0", "--log-every", "5"]
+    results: dict = {"preset": args.preset, "tokens": args.tokens, "max_anchors": args.max_anchors}
+    if args.defaults:
+        run = run_command([*base, "--out", str(work / "run-defaults"), "--steps", "1"], work / "run-defaults", work / "defaults.log")
+        results["defaults"] = {"rc": run["rc"], "last_line": run["last_line"], "wall_s": run["wall_s"]}
+        print(f"defaults: rc {run['rc']} in {run['wall_s']:.0f} s: {run['last_line']}", flush=True)
+    for mode in args.modes.split(","):
+        out = work / f"run-{mode}"
+        command = [*base, "--out", str(out), "--token-budget", str(args.tokens), "--max-anchors", str(args.max_anchors),
+                   "--steps", str(args.steps), *(["--compile"] if mode == "compiled" else [])]
+        run = run_command(command, out, work / f"{mode}.log")
+        if run["rc"] != 0 or len(run["steps"]) < args.steps:
+            raise SystemExit(f"{mode}: train exited {run['rc']} after {len(run['steps'])} steps: {run['last_line']}")
+        trainer = {**steady(run["steps"], args.warmup), "wall_s": run["wall_s"]}
+        bench = harness(cache, args.preset, mode, args.tokens, args.max_anchors, args.steps, args.warmup, device)
+        results[mode] = {"train": trainer, "step": bench, "ratio": trainer["tokens_per_s"] / bench["tokens_per_s"]}
+        print(f"{mode}: train {trainer['tokens_per_s']:,.0f} tokens/s ({trainer['step_ms']:.1f} ms a step, "
+              f"{trainer['blocks_per_step']:.0f} blocks, {trainer['tokens_per_step']:.0f} tokens; first {args.warmup} steps "
+              f"{trainer['warmup_s']:.1f} s; process {trainer['wall_s']:.0f} s; peak {trainer['peak_gib']:.1f} GiB) | "
+              f"the step alone {bench['tokens_per_s']:,.0f} tokens/s ({bench['step_ms']:.1f} ms, {bench['blocks_per_step']:.0f} "
+              f"blocks; first {args.warmup} steps {bench['warmup_s']:.1f} s) | train / step {results[mode]['ratio']:.3f} | "
+              f"first loss {trainer['first_loss']:.4f} / {bench['first_loss']:.4f}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
