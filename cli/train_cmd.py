@@ -55,12 +55,18 @@ from dflash_cache.train.config import TrainConfig
 @click.option("--max-anchors", type=int,
               help="Most training blocks per sequence. Default: 512 on a GPU, 8 on the CPU (whose attention cost "
                    "grows with blocks x tokens of a batch).")
+@click.option("--anchors-per-batch", type=int,
+              help="Most training blocks per batch: a uniform subset of the blocks its sequences get (--max-anchors "
+                   "each). A fixed count is what --compile needs to pad nothing. Default: no cap, except on a GPU "
+                   "where the plan's largest batch would not fit in memory: then the most that fit, printed at the start.")
 @click.option("--gamma", type=float, default=7.0, show_default=True,
               help="Loss weight of block slot k is exp(-(k-1)/gamma).")
 @click.option("--labels", type=click.Choice(["target", "tokens"]), default="target", show_default=True,
               help="Train on the target's own next-token predictions, or on the data's tokens.")
 @click.option("--compile", "compile_", is_flag=True,
-              help="Run the drafter under torch.compile, batches padded to a fixed size (one graph).")
+              help="Run the drafter under torch.compile, batches padded to a fixed size (one graph): the token "
+                   "budget, and the most blocks a batch of the plan can get (--anchors-per-batch caps it). Faster "
+                   "than eager only when batches get about that many blocks; the start says how much is padding.")
 @click.option("--eval-fraction", type=float, default=0.01, show_default=True,
               help="Share of samples held out for evaluation, chosen by a hash of the sample id.")
 @click.option("--eval-every", type=int, default=500, show_default=True, help="Evaluate every N steps (and at the end).")
@@ -86,7 +92,7 @@ from dflash_cache.train.config import TrainConfig
               help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
                    "and one memory map each, whatever the number of shards.")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-            grad_accum, max_anchors, gamma, labels, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
+            grad_accum, max_anchors, anchors_per_batch, gamma, labels, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
             seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
@@ -103,7 +109,7 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
         num_draft_layers=num_draft_layers, target_gpus=target_gpus, max_length=max_length, exact_target=exact_target,
         out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
         token_budget=token_budget, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
-        grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, gamma=gamma, labels=labels,
+        grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, anchors_per_batch=anchors_per_batch, gamma=gamma, labels=labels,
         compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
         skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,

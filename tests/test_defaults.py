@@ -1,6 +1,7 @@
 """Defaults that fit the target and the machine: the drafter from the target, device defaults, the
 memory check before the first step, checkpoint retention."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,9 +13,18 @@ from dflash_cache import DFlashCacheError
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import describe_drafter, parameter_count, target_drafter_config
 from dflash_cache.train import budget
-from dflash_cache.train.budget import StepMemory, activation_bytes, batch_anchors, check_fits, estimate_step_memory
+from dflash_cache.train.budget import (
+    GPU_SHARE,
+    StepMemory,
+    activation_bytes,
+    batch_anchors,
+    check_fits,
+    default_anchor_cap,
+    estimate_step_memory,
+    fitting_anchor_cap,
+)
 from dflash_cache.train.checkpoint import complete_checkpoints, latest_checkpoint
-from dflash_cache.train.train import train
+from dflash_cache.train.train import echo_padding, train
 from tests.test_train_helpers import make_cache, tiny_config
 from tests.tiny import build_target
 
@@ -45,6 +55,7 @@ def test_parameter_count_by_hand():
 def test_anchor_bound_and_dense_pairs_by_hand():
     # Sequences of 20, 10 and 3 tokens, block 4: candidates 17, 7, 0; at most 8 per sequence -> 8 + 7.
     assert batch_anchors([20, 10, 3], 4, 8) == 15
+    assert batch_anchors([20, 10, 3], 4, 8, per_batch=10) == 10 and batch_anchors([20, 10, 3], 4, 8, per_batch=20) == 15
     config = DrafterConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=4, vocab_size=50, block_size=4, target_layer_ids=[0])
     # The dense mask grid of 10 anchors x 4 = 40 queries over 100 + 40 keys, 10 bytes a pair.
@@ -77,6 +88,45 @@ def test_estimate_grows_with_the_budget(cache):
     large = estimate_step_memory(config, 0, [[40, 23, 57, 31]], 8, "cpu", training=True)
     assert (small.tokens, small.blocks) == (63, 16) and (large.tokens, large.blocks) == (151, 32)
     assert large.activations > small.activations and large.weights == small.weights
+
+
+def test_the_anchor_cap_is_the_most_that_fits():
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3])
+    batches = [[40, 23], [57, 31, 9]]  # up to 37 + 20 and 54 + 28 + 6 anchors
+
+    def scan(room: int, step: int) -> int | None:  # the reference: every multiple of `step` up to the first >= 88
+        fitting = [k for k in range(step, 88 + step, step)
+                   if estimate_step_memory(config, 0, batches, 64, "cuda", True, per_batch=k).total <= room]
+        return max(fitting, default=None)
+
+    floor = estimate_step_memory(config, 0, batches, 64, "cuda", True, per_batch=1).total
+    whole = estimate_step_memory(config, 0, batches, 64, "cuda", True).total
+    for room in (floor - 1, floor, (floor + whole) // 2, whole - 1, whole):
+        for step in (1, 4, 16):
+            assert fitting_anchor_cap(config, 0, batches, 64, room, step) == scan(room, step), (room, step)
+    assert scan(whole, 1) == 88 and scan(floor - 1, 1) is None
+    # No cap where the uncapped plan fits in GPU_SHARE of the GPU.
+    assert default_anchor_cap(config, batches, 64, int(whole / GPU_SHARE) + 2**30)[0] is None
+
+
+def test_the_compiled_drafter_says_how_much_is_padding():
+    lines = []
+    echo_padding(lines.append, 30, [10, 20, 30])  # 20 on average: a third of 30 is padding
+    assert lines == ["the compiled drafter pads every batch to 30 blocks; this plan's batches get 20 on average, so "
+                     "33% of its block rows are padding (eager mode computes none): --anchors-per-batch 10 or less "
+                     "gives every batch that count"]
+    echo_padding(lines.append, 21, [20, 20])  # under a tenth: nothing said
+    assert len(lines) == 1
+
+
+def test_anchors_per_batch_caps_every_step(tmp_path, cache):
+    lines = []
+    train(tiny_config(tmp_path, cache, steps=3, anchors_per_batch=2), echo=lines.append)
+    blocks = [json.loads(line)["blocks"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(blocks) == 3 and max(blocks) == 2, blocks
+    assert any("at most 8 blocks per sequence and 2 per batch" in line for line in lines), lines
 
 
 def test_device_defaults_fill_only_what_is_not_given(tmp_path, cache):

@@ -26,6 +26,9 @@ from dflash_cache.units import size as gb
 # is computed against a dense mask over the whole packed batch, so its cost grows with
 # (anchors x block) x tokens: small batches and few blocks per sequence keep a step under a second.
 GPU_DEFAULTS = (49152, 512)
+# Where the plan's largest batch would not fit on a GPU, the default caps a batch's blocks to fit in this share
+# of its total memory (not of what is free, so that a resumed run gets the same cap).
+GPU_SHARE = 0.85
 CPU_DEFAULTS = (2048, 8)
 BF16, FP32 = 2, 4
 # The dense-mask attention holds about this many bytes per (query, key) pair of a batch: the bool mask,
@@ -56,9 +59,10 @@ class StepMemory:
                 f"up to {self.blocks:,} blocks)")
 
 
-def batch_anchors(lengths: Sequence[int], block_size: int, max_anchors: int) -> int:
-    """The most anchors a batch of sequences of these lengths can get."""
-    return sum(min(max_anchors, max(0, n - block_size + 1)) for n in lengths)
+def batch_anchors(lengths: Sequence[int], block_size: int, max_anchors: int, per_batch: int | None = None) -> int:
+    """The most anchors a batch of sequences of these lengths can get (at most `per_batch` in all)."""
+    most = sum(min(max_anchors, max(0, n - block_size + 1)) for n in lengths)
+    return most if per_batch is None else min(most, per_batch)
 
 
 def activation_bytes(config: DrafterConfig, tokens: int, anchors: int, dense_mask: bool, training: bool) -> int:
@@ -78,16 +82,42 @@ def activation_bytes(config: DrafterConfig, tokens: int, anchors: int, dense_mas
 
 
 def estimate_step_memory(config: DrafterConfig, head_bytes: int, batches: Sequence[Sequence[int]],
-                         max_anchors: int, device_type: str, training: bool) -> StepMemory:
-    """`batches`: the lengths of each batch's sequences (the plan's). The CPU attends through a dense mask."""
+                         max_anchors: int, device_type: str, training: bool, per_batch: int | None = None) -> StepMemory:
+    """`batches`: the lengths of each batch's sequences (the plan's); `per_batch`: a cap on a batch's anchors.
+    The CPU attends through a dense mask."""
     params = parameter_count(config)
     weights = params * (4 * FP32 if training else FP32)
     best = (0, 0, 0)
     for lengths in batches:
-        tokens, anchors = sum(lengths), batch_anchors(lengths, config.block_size, max_anchors)
+        tokens, anchors = sum(lengths), batch_anchors(lengths, config.block_size, max_anchors, per_batch)
         need = activation_bytes(config, tokens, anchors, dense_mask=device_type == "cpu", training=training)
         best = max(best, (need, tokens, anchors))
     return StepMemory(weights, head_bytes, best[0], best[1], best[2])
+
+
+def fitting_anchor_cap(config: DrafterConfig, head_bytes: int, batches: Sequence[Sequence[int]], max_anchors: int,
+                       have: int, step: int = 64) -> int | None:
+    """The most anchors per batch, a multiple of `step`, with which a GPU training step of every batch fits in
+    `have` bytes; None when not even `step` anchors fit."""
+    def fits(cap: int) -> bool:
+        return estimate_step_memory(config, head_bytes, batches, max_anchors, "cuda", True, cap).total <= have
+
+    most = max((batch_anchors(lengths, config.block_size, max_anchors) for lengths in batches), default=0)
+    low, high = 0, -(-most // step)  # in units of `step`: low fits (or is 0), high + 1 does not matter
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * step) else (low, mid - 1)
+    return low * step or None
+
+
+def default_anchor_cap(config: DrafterConfig, batches: Sequence[Sequence[int]], max_anchors: int,
+                       gpu_bytes: int) -> tuple[int | None, StepMemory]:
+    """(the anchors-per-batch cap a GPU of `gpu_bytes` gets when none is given: None when the plan's batches
+    fit in GPU_SHARE of it, or when not even a few anchors do; the uncapped estimate)."""
+    head = head_bytes(config)
+    need = estimate_step_memory(config, head, batches, max_anchors, "cuda", training=True)
+    room = int(GPU_SHARE * gpu_bytes)
+    return (None if need.total <= room else fitting_anchor_cap(config, head, batches, max_anchors, room)), need
 
 
 def available_bytes(device: torch.device) -> tuple[int, str]:

@@ -34,6 +34,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     max_anchors: int | None = None  # blocks per sequence; None: the device type's default
+    # blocks per micro-batch, a uniform subset; None: no cap, except on a GPU where the plan's batches would not fit
+    anchors_per_batch: int | None = None
     gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
     labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
     compile: bool = False
@@ -56,6 +58,7 @@ class TrainConfig:
     def check(self) -> None:
         self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
+                    "anchors_per_batch": self.anchors_per_batch or 1,
                     "eval_every": self.eval_every, "log_every": self.log_every,
                     "prefetch": self.prefetch, "workers": self.workers, "max_open_shards": self.max_open_shards}
         for name, value in positive.items():
@@ -129,4 +132,7 @@ class TrainConfig:
         keep = ("epochs", "steps", "token_budget", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "grad_accum", "max_anchors", "gamma", "labels", "compile", "eval_fraction", "seed")
         values = asdict(self)
-        return {name: values[name] for name in keep}
+        kept = {name: values[name] for name in keep}
+        if self.anchors_per_batch is not None:  # absent from the runs that predate it, which can still resume
+            kept["anchors_per_batch"] = self.anchors_per_batch
+        return kept

@@ -40,8 +40,11 @@ from dflash_cache.stream.epochs import (
     held_out_batches,
 )
 from dflash_cache.train.budget import (
+    GPU_SHARE,
     available_bytes,
+    batch_anchors,
     check_fits,
+    default_anchor_cap,
     device_defaults,
     estimate_step_memory,
     head_bytes,
@@ -140,7 +143,8 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
         echo(describe_drafter(config))
         echo(f"{source.describe()}: {len(train_keys)} to train on, "
              f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
-             f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence")
+             f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
+             + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch"))
         for line in plan_lines:
             echo(line)
         if checkpoint is not None:
@@ -176,8 +180,10 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
 
     config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
-    memory = estimate_step_memory(config, head_bytes(config), [[source.lengths[k] for k in b] for b in plan.batches(0)],
-                                  cfg.max_anchors, me.device.type, training=True)
+    lengths = [[source.lengths[k] for k in b] for b in plan.batches(0)]
+    per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
+    memory = estimate_step_memory(config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True,
+                                  per_batch=per_batch)
     have, what = available_bytes(me.device)
     if echo is not None:
         echo(f"memory: {memory.describe()}; {gb(have)} {what}")
@@ -201,6 +207,9 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     anchor_budget = None
     if cfg.compile:
         anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
+        anchor_budget = anchor_budget if per_batch is None else min(anchor_budget, per_batch)
+        if echo is not None:
+            echo_padding(echo, anchor_budget, [batch_anchors(b, config.block_size, cfg.max_anchors, per_batch) for b in lengths])
         token_budget = max(cfg.token_budget, max(source.lengths[k] for k in train_keys))
         runner = DrafterRunner(ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget,
                                backend=cfg.compile_backend)
@@ -231,7 +240,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                     micro = [(plan.global_index(local + i, me.rank), next(loader)) for i in range(cfg.grad_accum)]
                     lr = scheduler.get_last_lr()[0]
                     stats, grad_norm, losses = train_step(runner, ddp, micro, cfg, me, epoch, config.block_size,
-                                                          anchor_budget, position["step"], source)
+                                                          anchor_budget or per_batch, position["step"], source)
                     if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
                         handle_nonfinite([b for _, b in micro], losses, cfg, position["step"] + 1, source)
                         position["skipped"] += 1
@@ -248,7 +257,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                     faults.point("train.step")
                     step = position["step"]
                     if eval_keys and (step % cfg.eval_every == 0 or step == total):  # every rank, even one with no batch
-                        result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size)
+                        result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size, per_batch)
                         if log is not None:
                             log.eval({"step": step, **result})
                     if cfg.save_every and (step % cfg.save_every == 0 or step == total):
@@ -266,10 +275,37 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
         source.close()
 
 
+def anchors_per_batch(cfg: TrainConfig, config, lengths: list[list[int]], me: Rank, echo: Echo | None) -> int | None:
+    """--anchors-per-batch; when it is not given, on a GPU where the plan's largest batch would not fit, the
+    most anchors per batch that do (budget.default_anchor_cap), the smallest over ranks."""
+    if cfg.anchors_per_batch is not None or me.device.type != "cuda":
+        return cfg.anchors_per_batch
+    total = torch.cuda.get_device_properties(me.device).total_memory
+    cap, need = default_anchor_cap(config, lengths, cfg.max_anchors, total)
+    caps = [c for c in all_gather_objects(cap) if c is not None]
+    if not caps:
+        return None
+    if echo is not None:
+        echo(f"the plan's largest batch ({need.tokens:,} tokens, up to {need.blocks:,} blocks) needs about {gb(need.total)} a "
+             f"step, more than {GPU_SHARE:.0%} of the GPU's {gb(total)}: each batch trains on at most {min(caps):,} blocks, "
+             f"a uniform subset of its own (--anchors-per-batch sets this; --token-budget and --max-anchors change the batches)")
+    return min(caps)
+
+
+def echo_padding(echo: Echo, anchor_budget: int, anchors: list[int]) -> None:
+    """Says how much of the compiled drafter's blocks is padding, when it is more than a tenth."""
+    mean = sum(anchors) / max(len(anchors), 1)
+    if anchor_budget > 1.1 * mean:
+        fixed = f": --anchors-per-batch {min(anchors):,} or less gives every batch that count" if min(anchors) else ""
+        echo(f"the compiled drafter pads every batch to {anchor_budget:,} blocks; this plan's batches get {mean:,.0f} on "
+             f"average, so {1 - mean / anchor_budget:.0%} of its block rows are padding (eager mode computes none){fixed}")
+
+
 def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[int, FeatureBatch]], cfg: TrainConfig,
-               me: Rank, epoch: int, block_size: int, anchor_budget: int | None, step: int, source: Source
+               me: Rank, epoch: int, block_size: int, anchor_cap: int | None, step: int, source: Source
                ) -> tuple[list[float], float, list[torch.Tensor]]:
-    """Forward and backward of this rank's micro-batches; gradients averaged over ranks by DDP.
+    """Forward and backward of this rank's micro-batches; gradients averaged over ranks by DDP. `anchor_cap`:
+    the most anchors of a batch (the compiled drafter's budget, or --anchors-per-batch).
     Returns the step's STATS summed over every rank, the gradient norm before clipping, and this
     rank's loss of each micro-batch."""
     stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
@@ -277,7 +313,7 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
     for i, (index, batch) in enumerate(micro):
         last = i == len(micro) - 1
         generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, TRAIN, epoch, index))
-        anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_budget)
+        anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_cap)
         sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         try:
             with sync:
@@ -316,12 +352,12 @@ def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cf
 
 @torch.no_grad()
 def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, list[int]]], cfg: TrainConfig,
-             me: Rank, block_size: int) -> dict:
+             me: Rank, block_size: int, per_batch: int | None) -> dict:
     stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
     with source.batches([b for _, b in held_out], me.device) as loader:
         for (index, _), batch in zip(held_out, loader):
             generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
-            anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator)
+            anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
             try:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
                     out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
