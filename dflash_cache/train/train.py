@@ -327,7 +327,7 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
                                                  cfg.token_budget, cfg.max_anchors)) from None
         stats += torch.stack([out.loss.detach().double(), (out.tau * out.num_blocks).double(),
                               out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
-                              torch.tensor(float(batch.num_tokens), device=me.device, dtype=torch.float64)])
+                              torch.full((), batch.num_tokens, device=me.device, dtype=torch.float64)])  # no host copy: no wait
         losses.append(out.loss.detach())
     grad_norm = gradient_norm(ddp.parameters())
     values = torch.cat([all_reduce_sum(stats), grad_norm.detach().double().reshape(1)]).tolist()
