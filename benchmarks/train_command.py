@@ -26,6 +26,7 @@ import collections
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -165,10 +166,11 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-train-command-"))
     cache = work / "cache"
     started = time.perf_counter()
-    # enough for every run: the defaults' batches hold 49,152 tokens, 3 x the usual --tokens
-    write_cache(cache, config, int(1.2 * max(args.steps, 3 * args.defaults, args.warmup + 4) * args.tokens), device.type)
-    write_head(cache, config.target_hidden_size, config.vocab_size)
-    print(f"cache: {len(CacheSet([cache]).lengths)} samples written in {time.perf_counter() - started:.0f} s", flush=True)
+    if not (cache / "manifest.json").exists():  # a --work of an earlier run keeps its cache
+        # enough for every run: the defaults' batches hold 49,152 tokens, 3 x the usual --tokens
+        write_cache(cache, config, int(1.2 * max(args.steps, 3 * args.defaults, args.warmup + 4) * args.tokens), device.type)
+        write_head(cache, config.target_hidden_size, config.vocab_size)
+    print(f"cache: {len(CacheSet([cache]).lengths)} samples, ready in {time.perf_counter() - started:.0f} s", flush=True)
     base = [*shlex.split(args.command), "train", "--cache", str(cache), "--drafter", args.preset, "--save-every", "0",
             "--eval-fraction", "0", "--log-every", "5"]
     sizes = ["--token-budget", str(args.tokens), "--max-anchors", str(args.max_anchors)]
@@ -187,6 +189,7 @@ def main() -> None:
         print(f"{name}: rc {run['rc']} in {run['wall_s']:.0f} s; " + "; ".join(said) + f"; {summary(results[name])}", flush=True)
     for mode in modes if args.steps else []:
         out = work / f"run-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
         command = [*base, "--out", str(out), *sizes, "--steps", str(args.steps), *(["--compile"] if mode == "compiled" else [])]
         run = run_command(command, out, work / f"{mode}.log")
         if run["rc"] != 0 or len(run["steps"]) < args.steps:

@@ -201,3 +201,31 @@ def test_each_epoch_is_planned_once_before_the_first_step(tmp_path, cache, monke
     train(tiny_config(tmp_path, cache, epochs=3, save_every=0), echo=lambda s: None)
     # prepare counts the steps of epochs 0, 1 and 2; the rank then plans only the epoch it starts with.
     assert planned == [0, 1, 2, 0]
+
+
+@pytest.mark.gpu
+def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_statistics_and_size_the_next_anchors(tmp_path, cache, monkeypatch):
+    """Each wait leaves the GPU idle while the host catches up: the optimizer's clipping factor stays on the
+    device, and the next batch's anchors are drawn while the GPU is idle anyway."""
+    import warnings
+
+    real_step, calls = train_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # the first steps compile; from the third on, steady
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            train(tiny_config(tmp_path, cache, steps=6, cpu_procs=0, gpus=[0], save_every=0), echo=lambda s: None)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+    # steps 3-6: each reads its statistics (train.py) and, for steps 3-5, sizes the next batch's anchors
+    assert sorted({w.split(":")[0] for w in waits}) == ["anchors.py", "train.py"], waits
+    assert len(waits) == 4 + 3, waits

@@ -234,20 +234,32 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
             start = position["epoch_step"] * cfg.grad_accum
             with source.batches(batches[start:], me.device) as loader:
                 tick = time.perf_counter()
+
+                def micro_batches(local: int, step: int) -> list[tuple[FeatureBatch, torch.Tensor]] | None:
+                    """The batches of the run's step `step` (from 0), at plan position `local` on, with their
+                    anchors; None past the epoch or the run."""
+                    if local >= len(batches) or step >= total:
+                        return None
+                    return [with_anchors(next(loader), cfg, me, epoch, plan.global_index(local + i, me.rank),
+                                         config.block_size, anchor_budget or per_batch) for i in range(cfg.grad_accum)]
+
+                micro = micro_batches(start, position["step"])
                 for local in range(start, len(batches), cfg.grad_accum):
-                    if position["step"] >= total:
+                    if micro is None:
                         break
-                    micro = [(plan.global_index(local + i, me.rank), next(loader)) for i in range(cfg.grad_accum)]
                     lr = scheduler.get_last_lr()[0]
-                    stats, grad_norm, losses = train_step(runner, ddp, micro, cfg, me, epoch, config.block_size,
-                                                          anchor_budget or per_batch, position["step"], source)
+                    stats, grad_norm, norm, losses = train_step(runner, ddp, micro, cfg, me, position["step"], source)
+                    # Sampling anchors waits for the GPU: here it is idle, whereas after AdamW's launch it would wait
+                    # for the update, and the next step's masks and forward would be launched on an idle GPU.
+                    upcoming = micro_batches(local + cfg.grad_accum, position["step"] + 1)
                     if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
-                        handle_nonfinite([b for _, b in micro], losses, cfg, position["step"] + 1, source)
+                        handle_nonfinite([b for b, _ in micro], losses, cfg, position["step"] + 1, source)
                         position["skipped"] += 1
                         optimizer.zero_grad(set_to_none=True)
                     else:
-                        clipped_step(optimizer, torch.tensor(grad_norm), cfg.grad_clip)
+                        clipped_step(optimizer, norm, cfg.grad_clip)  # the norm on the device: no copy, no wait
                         optimizer.zero_grad(set_to_none=True)
+                    micro = upcoming
                     scheduler.step()
                     position["step"] += 1
                     position["epoch_step"] += 1
@@ -301,19 +313,24 @@ def echo_padding(echo: Echo, anchor_budget: int, anchors: list[int]) -> None:
              f"average, so {1 - mean / anchor_budget:.0%} of its block rows are padding (eager mode computes none){fixed}")
 
 
-def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[int, FeatureBatch]], cfg: TrainConfig,
-               me: Rank, epoch: int, block_size: int, anchor_cap: int | None, step: int, source: Source
-               ) -> tuple[list[float], float, list[torch.Tensor]]:
-    """Forward and backward of this rank's micro-batches; gradients averaged over ranks by DDP. `anchor_cap`:
-    the most anchors of a batch (the compiled drafter's budget, or --anchors-per-batch).
-    Returns the step's STATS summed over every rank, the gradient norm before clipping, and this
-    rank's loss of each micro-batch."""
+def with_anchors(batch: FeatureBatch, cfg: TrainConfig, me: Rank, epoch: int, index: int, block_size: int,
+                 anchor_cap: int | None) -> tuple[FeatureBatch, torch.Tensor]:
+    """The batch at plan position `index` of `epoch` and its anchors, drawn from that position's seed.
+    `anchor_cap`: the most anchors of a batch (the compiled drafter's budget, or --anchors-per-batch)."""
+    generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, TRAIN, epoch, index))
+    return batch, sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_cap)
+
+
+def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[FeatureBatch, torch.Tensor]],
+               cfg: TrainConfig, me: Rank, step: int, source: Source
+               ) -> tuple[list[float], float, torch.Tensor, list[torch.Tensor]]:
+    """Forward and backward of this rank's micro-batches (each with its anchors); gradients averaged over
+    ranks by DDP. Returns the step's STATS summed over every rank, the gradient norm before clipping (a
+    number, and the tensor on the device), and this rank's loss of each micro-batch."""
     stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
     losses = []
-    for i, (index, batch) in enumerate(micro):
+    for i, (batch, anchors) in enumerate(micro):
         last = i == len(micro) - 1
-        generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, TRAIN, epoch, index))
-        anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_cap)
         sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         try:
             with sync:
@@ -329,9 +346,9 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[in
                               out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
                               torch.full((), batch.num_tokens, device=me.device, dtype=torch.float64)])  # no host copy: no wait
         losses.append(out.loss.detach())
-    grad_norm = gradient_norm(ddp.parameters())
-    values = torch.cat([all_reduce_sum(stats), grad_norm.detach().double().reshape(1)]).tolist()
-    return values[:STATS], values[STATS], losses
+    norm = gradient_norm(ddp.parameters())
+    values = torch.cat([all_reduce_sum(stats), norm.detach().double().reshape(1)]).tolist()
+    return values[:STATS], values[STATS], norm, losses
 
 
 def describe_batch(batch: FeatureBatch, source: Source, limit: int = 16) -> str:
