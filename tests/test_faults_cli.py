@@ -62,6 +62,7 @@ def test_extract_options_out_of_range(setup, tmp_path, options, message, exit_co
 @pytest.mark.parametrize("options, message", [
     (["--token-budget", -1], "--token-budget must be at least 1"),
     (["--max-anchors", 0], "--max-anchors must be at least 1"),
+    (["--anchors-per-batch", 0], "--anchors-per-batch must be at least 1"),
     (["--lr", 0], "--lr must be positive"),
     (["--grad-clip", -1], "--grad-clip must be positive"),
     (["--weight-decay", -0.1], "--weight-decay must be at least 0"),

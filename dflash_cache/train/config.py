@@ -58,7 +58,7 @@ class TrainConfig:
     def check(self) -> None:
         self.check_source()
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
-                    "anchors_per_batch": self.anchors_per_batch or 1,
+                    "anchors_per_batch": 1 if self.anchors_per_batch is None else self.anchors_per_batch,
                     "eval_every": self.eval_every, "log_every": self.log_every,
                     "prefetch": self.prefetch, "workers": self.workers, "max_open_shards": self.max_open_shards}
         for name, value in positive.items():
