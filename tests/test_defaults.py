@@ -110,6 +110,27 @@ def test_the_anchor_cap_is_the_most_that_fits():
     assert default_anchor_cap(config, batches, 64, int(whole / GPU_SHARE) + 2**30)[0] is None
 
 
+def test_a_gpu_given_no_cap_takes_the_most_blocks_that_fit(tmp_path, cache, monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash_cache.train.train import anchors_per_batch
+
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3])
+    batches = [[40, 23], [57, 31, 9]]
+    whole = estimate_step_memory(config, budget.head_bytes(config), batches, 64, "cuda", True).total
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    cfg = tiny_config(tmp_path, cache, max_anchors=64)
+    # the cap is a multiple of 64: 88 blocks do not fit, 64 do
+    for total, expected in [(int(whole / GPU_SHARE) + 1, None), (int(whole / GPU_SHARE) - 1, 64)]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, total=total: SimpleNamespace(total_memory=total))
+        lines = []
+        assert anchors_per_batch(cfg, config, batches, gpu, lines.append) == expected
+        assert len(lines) == (expected is not None)
+    assert "each batch trains on at most 64 blocks" in lines[0], lines
+    assert anchors_per_batch(tiny_config(tmp_path, cache, anchors_per_batch=7), config, batches, gpu, print) == 7
+
+
 def test_the_compiled_drafter_says_how_much_is_padding():
     lines = []
     echo_padding(lines.append, 30, [10, 20, 30])  # 20 on average: a third of 30 is padding
