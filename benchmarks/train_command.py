@@ -131,7 +131,7 @@ def profile_trainer(cache: Path, preset: str, tokens: int, max_anchors: int, war
         finally:
             trainer.train_step = real_step
     for w in caught:
-        if "synchronizing" in str(w.message):
+        if "called a synchronizing" in str(w.message):
             syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:70]}"] += 1
     torch.cuda.set_sync_debug_mode(0)
     profiler.stop()
