@@ -7,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -174,3 +175,18 @@ def test_a_train_into_a_run_folder_being_trained_names_the_run_not_resume(tmp_pa
         assert sorted(p for p in run.rglob("*")) == before
     finally:
         holder.release()
+
+
+def test_a_resumed_runs_event_file_sorts_after_one_written_in_the_same_second(tmp_path):
+    pytest.importorskip("tensorboard")
+    from dflash_cache.train.metrics import MetricsLog
+
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    # written this second by a process whose name parts sort last: host "zz", pid 99999, counter 9
+    earlier = tb / f"events.out.tfevents.{int(time.time()):010d}.zz.99999.9"
+    earlier.write_bytes(b"")
+    (tmp_path / "metrics.jsonl").write_text("")
+    log = MetricsLog(tmp_path, total_steps=2, resumed_step=1, echo=lambda line: None)
+    log.close()
+    assert sorted(p.name for p in tb.iterdir())[0] == earlier.name

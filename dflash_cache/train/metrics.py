@@ -4,6 +4,7 @@ evaluation), and TensorBoard event files in `RUN/tb/` when tensorboard is instal
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,7 +42,18 @@ def _summary_writer(directory: Path, purge_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional at run time
         return None
+    _after_existing_files(directory)
     return SummaryWriter(str(directory), purge_step=purge_step)
+
+
+def _after_existing_files(directory: Path) -> None:
+    """Waits, at most a second, until a new event file's name sorts after the folder's: TensorBoard reads
+    the files in name order, which starts with the creation second, then the pid and a counter compared
+    as text. A resume within the second of the last file could otherwise be read before it, its purge
+    mark first (seen in CI: steps 3-6, then 1-6)."""
+    seconds = [int(p.name.split(".")[3]) for p in directory.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(0.05)
 
 
 class MetricsLog:
