@@ -1,8 +1,9 @@
 """`dflash-cache train` as a user runs it, against the benchmark's step on the same batches and anchors.
 
     PYTHONPATH=. python benchmarks/train_command.py [--preset qwen3.6-27b] [--tokens 16384] [--max-anchors 64]
-                                                    [--steps 25] [--warmup 5] [--modes eager,compiled]
-                                                    [--command "dflash-cache"] [--defaults] [--json FILE]
+                                                    [--anchors-per-batch N] [--steps 25] [--warmup 5]
+                                                    [--modes eager,compiled] [--command "dflash-cache"] [--defaults N]
+                                                    [--no-step] [--profile DIR] [--work DIR] [--json FILE]
 
 1. A synthetic bf16-zstd cache shaped like the preset's target (for qwen3.6-27b: 5 layers x hidden 5120,
    vocabulary 248,320; samples of 1000-4000 tokens, random hidden states, as benchmarks/train.py writes

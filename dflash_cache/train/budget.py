@@ -99,11 +99,21 @@ def fitting_anchor_cap(config: DrafterConfig, head_bytes: int, batches: Sequence
                        have: int, step: int = 64) -> int | None:
     """The most anchors per batch, a multiple of `step`, with which a GPU training step of every batch fits in
     `have` bytes; None when not even `step` anchors fit."""
-    def fits(cap: int) -> bool:
-        return estimate_step_memory(config, head_bytes, batches, max_anchors, "cuda", True, cap).total <= have
+    # A step's memory grows with its tokens and its anchors: only batches that no other batch exceeds in both
+    # can be the largest, so those few are tried at each cap, not the whole plan (50,000 batches: 3.8 s).
+    frontier, most = [], -1
+    for tokens, anchors in sorted(((sum(b), batch_anchors(b, config.block_size, max_anchors)) for b in batches),
+                                  reverse=True):
+        if anchors > most:
+            frontier.append((tokens, anchors))
+            most = anchors
+    fixed = estimate_step_memory(config, head_bytes, [], max_anchors, "cuda", True)
+    fixed_bytes = fixed.weights + fixed.head
 
-    most = max((batch_anchors(lengths, config.block_size, max_anchors) for lengths in batches), default=0)
-    low, high = 0, -(-most // step)  # in units of `step`: low fits (or is 0), high + 1 does not matter
+    def fits(cap: int) -> bool:
+        return fixed_bytes + max(activation_bytes(config, t, min(a, cap), False, True) for t, a in frontier) <= have
+
+    low, high = 0, -(-max(most, 0) // step)  # in units of `step`: low fits (or is 0)
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid * step) else (low, mid - 1)
