@@ -28,7 +28,7 @@ from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
-from dflash_cache.drafter.masks import BlockLayout, block_mask, visible
+from dflash_cache.drafter.masks import BlockLayout, _ordered, block_mask, visible
 
 
 def rule_mask_mod(layout: BlockLayout, window: int | None, group: int):
@@ -37,6 +37,17 @@ def rule_mask_mod(layout: BlockLayout, window: int | None, group: int):
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(layout, q_idx // group, kv_idx, window)
     return mask_mod
+
+
+def all_tiles_full(mask):
+    """`mask` with every partial tile made a full one: the same tiles computed, none masked. Its outputs
+    are wrong; its time is what the mask function and the partial tiles cost."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tiles = mask.to_dense()[0, 0].bool()
+    count, indices = _ordered(tiles)
+    return BlockMask.from_kv_blocks(torch.zeros_like(count), indices, count, indices, BLOCK_SIZE=mask.BLOCK_SIZE,
+                                    seq_lengths=mask.seq_lengths)
 
 
 def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int, group: int
@@ -88,7 +99,8 @@ def main() -> None:
                              "head serves, packed (what the drafter runs)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--mask-mods", default="intervals",
-                        help="intervals (the BlockMask's own mask function, what the drafter runs) and/or rule (rule_mask_mod)")
+                        help="intervals (the BlockMask's own mask function, what the drafter runs), rule (rule_mask_mod) "
+                             "and/or unmasked (all_tiles_full: the same tiles with no mask; wrong outputs, for timing)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     batch = peer_batches(config, args.tokens, "cuda", count=1)[0]
@@ -113,6 +125,8 @@ def main() -> None:
                 mask = block_mask(layout, window, tile, group)
                 if mod == "rule":
                     mask.mask_mod = rule_mask_mod(layout, window, group)
+                elif mod == "unmasked":
+                    mask = all_tiles_full(mask)
                 name = f"{name} group {group} {mod}"
                 try:
                     fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters, group)

@@ -28,9 +28,11 @@ def profile_run(folder: Path, name: str, run) -> None:
     gpu = sum(e.self_device_time_total for e in averages) / 1e6
     summary = f"{name}: wall {wall:.2f} s under the profiler, kernels {gpu:.2f} s ({gpu / wall:.2f} of wall)"
     idle = gpu_idle(trace)
-    (folder / f"{name}_profile.txt").write_text(summary + "\n" + idle + "\n" + table(-1))
+    kinds = kernel_kinds(trace)
+    (folder / f"{name}_profile.txt").write_text(summary + "\n" + idle + "\n" + kinds + "\n" + table(-1))
     print(summary)
     print(idle)
+    print(kinds)
     print(table(60))
 
 
@@ -45,7 +47,7 @@ def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
     if not device:
         return "no kernels in the trace"
     launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
     gaps, end = [], device[0]["ts"] + device[0]["dur"]
     for e in device[1:]:
@@ -61,6 +63,42 @@ def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
         around = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e.get("dur", 0)), key=lambda e: -e.get("dur", 0))
         names = " > ".join(e["name"][:60] for e in around[:4])
         lines.append(f"  {gap / 1e3:7.2f} ms before {kernel['name'][:60]}  (launched in: {names})")
+    return "\n".join(lines)
+
+
+KERNEL_KINDS = {  # kernel name fragments, first match wins
+    "matmul (cuBLAS)": ("nvjet", "gemm", "cutlass", "xmma"),
+    "flex-attention backward": ("flex_attention_backward",),
+    "flex-attention forward": ("flex_attention", "triton_tem"),  # the step's only Triton templates are flex's
+}
+
+
+def kernel_kinds(trace: Path, shown: int = 30) -> str:
+    """From a Chrome trace: GPU time by kind of kernel (cuBLAS matmuls, flex-attention, everything inside
+    an `Optimizer.step` range on the GPU's timeline, the rest) and the rest's largest kernels by name."""
+    import json
+    from collections import Counter
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "gpu_user_annotation" and e["name"].startswith("Optimizer.step")]
+    kinds, rest, counts = Counter(), Counter(), Counter()
+    for e in kernels:
+        name = e["name"]
+        kind = next((k for k, parts in KERNEL_KINDS.items() if any(p in name for p in parts)), None)
+        if kind is None and any(a <= e["ts"] < b for a, b in steps):
+            kind = "optimizer step"
+        if kind is None:
+            kind = "rest"
+            rest[name] += e["dur"]
+            counts[name] += 1
+        kinds[kind] += e["dur"]
+    total = sum(kinds.values())
+    lines = [f"GPU time by kind ({total / 1e3:.2f} ms in all):"]
+    lines += [f"  {kind:<26} {us / 1e3:9.2f} ms  {us / total:6.1%}" for kind, us in kinds.most_common()]
+    lines.append(f"the rest's largest {shown} kernels (ms in all, calls):")
+    lines += [f"  {us / 1e3:8.2f} ms {counts[name]:5d}  {name[:120]}" for name, us in rest.most_common(shown)]
     return "\n".join(lines)
 
 

@@ -182,19 +182,20 @@ def test_a_batch_without_anchors_on_gpu():
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_head_loss_kernel_matches_the_torch_reference(dtype, with_grad):
     """The Triton per-row kernel (called plainly and inside a region compiled for dynamic shapes) against
-    head_loss.reference_terms: a vocabulary that is not a whole number of the kernel's blocks, rows of
-    several sizes, and rows whose maximum is tied (the first index wins, as in torch.argmax)."""
+    head_loss.reference_terms: a vocabulary that is not a whole number of the kernel's blocks (its 8
+    segments a row: 5 of 2 blocks, the last partial, then empty ones), rows of several sizes, and rows whose
+    maximum is tied across blocks and segments (the first index wins, as in torch.argmax)."""
     from dflash_cache.drafter.head_loss import chunk_terms, reference_terms
     from dflash_cache.drafter.regions import region
 
     g = torch.Generator("cuda").manual_seed(5)
-    vocab, hidden = 9000, 64
+    vocab, hidden = 40000, 64
     weight = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.3).to(dtype)
-    weight[17] = weight[4000] = weight[8999] = weight[3]  # rows where token 3 wins tie with these
+    weight[17] = weight[5000] = weight[20000] = weight[39999] = weight[3]  # token 3 wins ties with these
     compiled = region(chunk_terms)
     for rows in (16, 200, 37):
         states = torch.randn(rows, hidden, device="cuda", generator=g)
-        states[:4] = weight[3].float() * 4  # these rows' maximum is tied four ways
+        states[:4] = weight[3].float() * 4  # these rows' maximum is tied five ways
         labels = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
         row_weights = torch.rand(rows, device="cuda", generator=g)
         want = reference_terms(states, weight, labels, row_weights, with_grad)

@@ -1,0 +1,73 @@
+"""The LM-head loss's per-row math on a GPU in two passes over the logits (Triton).
+
+For each row of a chunk of logits [R, V]: the log-sum-exp, the argmax and the label's logit in one
+online pass (running maximum, rescaled sum of exponentials), then, for the gradient,
+(softmax - onehot) * row_weight written in a second pass. Inductor's code for the same math in
+torch (head_loss.reference_terms) was slower: with this kernel the compiled 27B drafter step took
+254.4 ms on an H200 against 259.5 ms, and 7.6 GB less memory (BENCHMARKS.md, session 14). `row_terms`
+is a torch custom op, so the compiled drafter and the eager regions trace it as one call;
+head_loss.reference_terms, what the CPU runs, is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK = 4096  # logits per loop iteration: a 248K vocabulary is 61 iterations of a row
+
+
+@triton.jit
+def _row_stats(logits, labels, stride, vocab, nll, argmax, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    best_index = tl.zeros((), tl.int64)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(x, 0)
+        block_index = start + tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
+        # strictly greater: on a tie the earlier block keeps it, so ties go to the first index (torch.argmax's)
+        best_index = tl.where(block_max > running_max, block_index, best_index)
+        new_max = tl.maximum(running_max, block_max)
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    target = tl.load(base + tl.load(labels + row)).to(tl.float32)
+    tl.store(nll + row, lse - target)
+    tl.store(argmax + row, best_index)
+
+
+@triton.jit
+def _row_gradient(logits, labels, scales, nll, stride, vocab, grad, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < vocab
+    label = tl.load(labels + row)
+    # lse = nll + target logit
+    lse = tl.load(nll + row) + tl.load(logits + row * stride + label).to(tl.float32)
+    x = tl.load(logits + row * stride + cols, mask=keep, other=0.0).to(tl.float32)
+    p = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+    tl.store(grad + row * vocab + cols, (p * tl.load(scales + row)).to(grad.dtype.element_ty), mask=keep)
+
+
+@triton_op("dflash_cache::head_row_terms_session18", mutates_args=())
+def row_terms(logits: torch.Tensor, labels: torch.Tensor, scales: torch.Tensor, with_grad: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [R, V] (rows contiguous), labels [R], scales [R] fp32 -> (nll [R] fp32, argmax [R] int64,
+    (softmax - onehot) * scales [R, V] in the logits' dtype; [0, V] when not with_grad)."""
+    rows, vocab = logits.shape
+    nll = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    grad = torch.empty((rows if with_grad else 0, vocab), dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return nll, argmax, grad
+    wrap_triton(_row_stats)[(rows,)](logits, labels, logits.stride(0), vocab, nll, argmax, BLOCK=BLOCK)
+    if with_grad:
+        wrap_triton(_row_gradient)[(rows, triton.cdiv(vocab, BLOCK))](
+            logits, labels, scales, nll, logits.stride(0), vocab, grad, BLOCK=BLOCK)
+    return nll, argmax, grad
