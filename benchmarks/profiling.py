@@ -36,6 +36,13 @@ def profile_run(folder: Path, name: str, run) -> None:
     print(table(60))
 
 
+def kernel_launches(events: list[dict]) -> dict[int, tuple[int, float]]:
+    """A Chrome trace's kernel launches: correlation id -> (host thread, time). cuBLAS launches its kernels
+    through the driver API, most others through the runtime."""
+    return {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
 def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
     """From a Chrome trace: the time between the first and last kernel when no kernel, copy or memset
     ran, and its longest gaps, each with the host ops that were running when the kernel that ended it
@@ -46,8 +53,7 @@ def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     if not device:
         return "no kernels in the trace"
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = {correlation: ts for correlation, (_, ts) in kernel_launches(events).items()}
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
     gaps, end = [], device[0]["ts"] + device[0]["dur"]
     for e in device[1:]:

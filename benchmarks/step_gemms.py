@@ -4,12 +4,12 @@
                  [--mode compiled] [--iters 20] [--head-chunks 256,512,1024,2048] [--rounds 5]
 
 benchmarks/gemms.py times each matmul of the step alone with row-major operands. This one profiles
-benchmarks/drafter.py's step itself (3 steps after 5 of warm-up, shapes recorded) and groups the GPU time
+benchmarks/drafter.py's step itself (PROFILED_STEPS steps after 5 of warm-up, shapes recorded) and groups the GPU time
 of every cuBLAS call by its operands' sizes and strides, which decide the kernel cuBLAS picks. For each
 group: milliseconds a step inside the step, the same call alone with operands of the same strides, and
 alone with the operands swapped ((B^T A^T)^T, the other layout of one product), with TFLOP/s against
-the 790 that MFU uses. The totals say what the step's matmuls lose to running inside it and what the
-better layout of each would save.
+the 790 that MFU uses. The totals say what the step's matmuls lose to running inside it, what the
+better layout of each would save, and what they would take with each group at its fastest.
 
 --head-chunks: the LM head's loss and input gradient for one step's rows (head_loss.head_cross_entropy:
 forward matmul, row passes, input-gradient matmul) at each chunk size, the sizes interleaved over
@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.drafter import add_step_shape_arguments, drafter_step
-from benchmarks.profiling import cuda_mean_ms
+from benchmarks.profiling import cuda_mean_ms, kernel_launches
 from dflash_cache.drafter.config import load_drafter_config
 from dflash_cache.drafter.head_loss import head_cross_entropy
 
 MATMULS = ("aten::mm", "aten::addmm")
+PROFILED_STEPS = 3
 
 
 def step_matmuls(trace: Path) -> dict[tuple, list[float]]:
@@ -47,9 +48,7 @@ def step_matmuls(trace: Path) -> dict[tuple, list[float]]:
             ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], key))
     for spans in ops.values():
         spans.sort()
-    # cuBLAS launches its kernels through the driver API, most others through the runtime
-    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = kernel_launches(events)
     calls = defaultdict(lambda: defaultdict(float))  # key -> enclosing op's start -> GPU ms
     for e in events:
         if e.get("cat") != "kernel" or e["args"].get("correlation") not in launches:
@@ -98,30 +97,32 @@ def profile_step(args, config) -> dict[tuple, list[float]]:
         step(k)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for k in range(3):
+        for k in range(PROFILED_STEPS):
             step(k)
         torch.cuda.synchronize()
-    trace = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    return step_matmuls(trace)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return step_matmuls(trace)
 
 
-def report_matmuls(found: dict[tuple, list[float]], iters: int, peak: float, steps: int = 3) -> None:
+def report_matmuls(found: dict[tuple, list[float]], iters: int, peak: float) -> None:
     print(f"{'op':<12} {'dims':<34} {'strides':<30} {'calls':>5} {'in step':>16} {'alone':>16} {'swapped':>16}")
-    totals = [0.0, 0.0, 0.0]
+    totals = [0.0, 0.0, 0.0, 0.0]
     for (op, dims, strides), times in sorted(found.items(), key=lambda kv: -sum(kv[1])):
         d, s = json.loads(dims), json.loads(strides)
         flops = product_flops(op, d)
         inside = statistics.mean(times)
         alone = alone_ms(op, d, s, iters, swapped=False)
         swapped = alone_ms(op, d, s, iters, swapped=True)
-        per_step = len(times) / steps
-        for i, ms in enumerate((inside, alone, min(alone, swapped))):
+        per_step = len(times) / PROFILED_STEPS
+        for i, ms in enumerate((inside, alone, min(alone, swapped), min(inside, alone, swapped))):
             totals[i] += ms * per_step
         cells = [f"{ms:7.3f} ms {flops / ms / 1e9:4.0f}" for ms in (inside, alone, swapped)]
         print(f"{op:<12} {dims:<34} {strides:<30} {per_step:5.1f} " + " ".join(cells), flush=True)
     print(f"a step: in the step {totals[0]:.1f} ms, alone {totals[1]:.1f} ms, alone in the faster layout "
-          f"{totals[2]:.1f} ms (ms per call and TFLOP/s above; MFU's peak {peak:.0f})")
+          f"{totals[2]:.1f} ms, each group at the fastest of the three {totals[3]:.1f} ms (ms per call and TFLOP/s "
+          f"above; MFU's peak {peak:.0f})")
 
 
 def head_chunks(config, rows: int, sizes: list[int], rounds: int) -> None:
@@ -142,7 +143,7 @@ def head_chunks(config, rows: int, sizes: list[int], rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_shape_arguments(parser)
-    parser.add_argument("--mode", default="compiled", help="the step's mode: compiled or eager (drafter.py's)")
+    parser.add_argument("--mode", default="compiled", help="the step's mode: compiled or eager (drafter.py's); '' for --head-chunks alone")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--head-chunks", default="", help="comma-separated chunk sizes to time the LM head at")
