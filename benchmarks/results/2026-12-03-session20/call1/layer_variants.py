@@ -11,6 +11,7 @@ Variants (monkeypatched here; the layer's weights are the same in each):
   fused_qkv   one matmul for q, k, v of the block rows and one for k, v of the context rows, over the
               three weights concatenated each forward
   fused_mlp   one matmul for gate and up over the two weights concatenated each forward
+  flip_rotate the half swap of rotary as a flip of a [2, D/2] view times [-1, 1], not a cat of two slices
   strided_kv  k and v handed to flex-attention as strided views, not copied into [1, H, T, D]
   cdt         base compiled with coordinate_descent_tuning (Inductor tunes its own kernels' launch options)
   nomix       base compiled with triton.mix_order_reduction off
@@ -52,6 +53,15 @@ def rope_table_forward(self, positions, dtype):
     return rotary_tables(positions, self.inv_freq, dtype)
 
 
+def flip_rotate(x, rope):
+    """rotate() with the half swap as a flip of a [2, D/2] view times [-1, 1]: one load per element,
+    where the cat of two slices loads each half under a mask."""
+    cos, sin = rope
+    halves = x.unflatten(-1, (2, -1))
+    sign = torch.tensor([-1.0, 1.0], device=x.device, dtype=x.dtype)[:, None]
+    return x * cos + (halves.flip(-2) * sign).flatten(-2) * sin
+
+
 def fused_qkv_forward(self, x, context, rope_q, rope_kv, mask):
     heads = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
     nq, nkv = self.q_proj.out_features, self.k_proj.out_features
@@ -85,6 +95,7 @@ def fused_mlp_forward(self, x):
     return self.down_proj(F.silu(gate) * up)
 
 
+ORIGINAL_ROTATE = model_module.rotate
 ORIGINAL = {
     "rotary": model_module.Rotary.forward,
     "attention": model_module.Attention.forward,
@@ -99,6 +110,7 @@ CLASSES = {"rotary": model_module.Rotary, "attention": model_module.Attention, "
 def apply(variant: str) -> dict | None:
     for name, fn in ORIGINAL.items():
         setattr(CLASSES[name], "forward", fn)
+    model_module.rotate = flip_rotate if "flip_rotate" in variant.split("+") else ORIGINAL_ROTATE
     model_module.attend = strided_attend if "strided_kv" in variant.split("+") else attend
     for part in variant.split("+"):
         if part in PATCHES:
