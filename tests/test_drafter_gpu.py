@@ -120,7 +120,7 @@ def test_compiled_mode_matches_eager_without_recompiling():
 def test_fused_kernel_equals_dense_reference_across_many_tiles(window, kv_heads):
     """The compiled flex kernel with each key head's query heads packed into its rows (attend) against
     the dense reference."""
-    from dflash_cache.drafter.attention import attend, reference_attention
+    from dflash_cache.drafter.attention import attend, pack_heads, reference_attention
     from dflash_cache.drafter.masks import BlockLayout, block_mask, dense_mask
 
     batch, anchors = gpu_batch([900, 37, 1500, 260, 12, 700], 3, max_anchors=40)
@@ -128,7 +128,7 @@ def test_fused_kernel_equals_dense_reference_across_many_tiles(window, kv_heads)
     g = torch.Generator("cuda").manual_seed(3)
     q = torch.randn(layout.num_queries, 4, 16, device="cuda", generator=g)
     k, v = (torch.randn(layout.num_keys, kv_heads, 16, device="cuda", generator=g) for _ in range(2))
-    out = attend(q, k, v, block_mask(layout, window, group=4 // kv_heads))
+    out = attend(*(pack_heads(t, kv_heads) for t in (q, k, v)), block_mask(layout, window, group=4 // kv_heads), 4 // kv_heads)
     as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     expected = reference_attention(as_batch(q), as_batch(k), as_batch(v), dense_mask(layout, window))[0].transpose(0, 1)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
@@ -226,3 +226,36 @@ def test_train_builds_the_drafter_on_the_gpu_from_its_seed():
     for (name, a), b, c in zip(first.named_parameters(), second.parameters(), other.parameters()):
         assert a.is_cuda and torch.equal(a, b), name
         assert not torch.equal(a, c) or a.dim() < 2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,key_heads,head_dim", [(4, 2, 32), (8, 8, 16), (32, 8, 128)])
+def test_norm_rotate_pack_kernel_matches_the_torch_reference(dtype, heads, key_heads, head_dim):
+    """The Triton pass (each head's RMSNorm, rotary and attend's packed layout; called plainly and inside a
+    region compiled for dynamic shapes) against model.py's torch code for the same chain: outputs and the
+    gradients of the input and the norm's weight, at token counts that are not a whole number of its
+    blocks and positions up to 40,000 (large angles)."""
+    from dflash_cache.drafter.model import RMSNorm, attention_heads, rotary_frequencies
+    from dflash_cache.drafter.regions import region
+
+    g = torch.Generator("cuda").manual_seed(11)
+    norm = RMSNorm(head_dim, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(head_dim, device="cuda", generator=g))
+    inv_freq = rotary_frequencies(head_dim, 1e6).cuda()
+    compiled = region(attention_heads)
+    for tokens in (1, 45, 300):
+        x = (torch.randn(tokens, heads * head_dim, device="cuda", generator=g) * 3).to(dtype)
+        positions = torch.randint(0, 40000, (tokens,), device="cuda", generator=g)
+        grad = torch.randn(1, key_heads, tokens * heads // key_heads, head_dim, device="cuda", generator=g).to(dtype)
+        results = []
+        for fn, fused in ((attention_heads, False), (attention_heads, True), (compiled, True)):
+            xi = x.detach().clone().requires_grad_()
+            norm.weight.grad = None
+            out = fn(xi, norm, positions, inv_freq, key_heads, fused)
+            out.backward(grad)
+            results.append((out.detach(), xi.grad, norm.weight.grad.clone()))
+        tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                torch.testing.assert_close(a.float(), b.float(), atol=tolerance * b.abs().max().item(), rtol=tolerance)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.attention import attend, reference_attention
+from dflash_cache.drafter.attention import attend, pack_heads, reference_attention
 from dflash_cache.drafter.masks import BatchMasks, BlockLayout, block_mask, dense_mask
 from tests.test_drafter_helpers import random_batch
 
@@ -104,4 +104,5 @@ def test_flex_attention_equals_dense_reference(lengths, seed, heads, kv_heads):
         q, k, v = random_qkv(layout.num_queries, layout.num_keys, seed, heads, kv_heads)
         as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731
         expected = reference_attention(as_batch(q), as_batch(k), as_batch(v), dense_mask(layout, window))
-        torch.testing.assert_close(attend(q, k, v, masks.by_type[kind]), expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        got = attend(*(pack_heads(t, kv_heads) for t in (q, k, v)), masks.by_type[kind], group)
+        torch.testing.assert_close(got, expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

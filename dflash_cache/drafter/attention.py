@@ -37,24 +37,30 @@ KERNEL_OPTIONS = {
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor) -> torch.Tensor:
-    """q [Q, Hq, D]; k, v [KV, Hkv, D] -> [Q, Hq, D]. `mask` is a dense [Q, KV] bool, or a BlockMask with
-    Hq / Hkv rows per query (masks.block_mask's `group`): each key head then attends once for its
-    group of query heads, their rows packed query by query ([1, Hkv, Q * group, D])."""
-    queries, heads, dim = q.shape
-    # [T, heads, D] -> [1, heads, T, D], contiguous: inductor's CPU flex kernel takes no strided views
-    as_batch = lambda t: t.transpose(0, 1)[None].contiguous()  # noqa: E731
-    if queries == 0:  # a batch without blocks; flex-attention cannot run on no queries
-        mask = torch.zeros(0, k.shape[0], dtype=torch.bool, device=q.device)
-    if isinstance(mask, torch.Tensor):
-        return reference_attention(as_batch(q), as_batch(k), as_batch(v), mask)[0].transpose(0, 1)
-    key_heads = k.shape[1]
+def pack_heads(t: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """[T, H, D] -> [1, key_heads, T * G, D], G = H / key_heads: each key head's G heads packed token by
+    token, the layout `attend` takes (for keys and values G = 1: [1, key_heads, T, D], contiguous, which
+    inductor's CPU flex kernel needs)."""
+    tokens, heads, dim = t.shape
     group = heads // key_heads
-    packed = q.view(queries, key_heads, group, dim).permute(1, 0, 2, 3).reshape(1, key_heads, queries * group, dim)
+    return t.view(tokens, key_heads, group, dim).permute(1, 0, 2, 3).reshape(1, key_heads, tokens * group, dim)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor, group: int) -> torch.Tensor:
+    """q [1, Hkv, Q * group, D], k, v [1, Hkv, KV, D] (pack_heads) -> [Q, Hkv * group, D]. `mask` is a dense
+    [Q, KV] bool, or a BlockMask with `group` rows per query (masks.block_mask's `group`): each key head then
+    attends once for its group of query heads."""
+    _, key_heads, rows, dim = q.shape
+    queries = rows // group
+    if queries == 0:  # a batch without blocks; flex-attention cannot run on no queries
+        mask = torch.zeros(0, k.shape[2], dtype=torch.bool, device=q.device)
+    if isinstance(mask, torch.Tensor):
+        per_head = q[0].view(key_heads, queries, group, dim).transpose(1, 2).reshape(1, key_heads * group, queries, dim)
+        return reference_attention(per_head, k, v, mask)[0].transpose(0, 1)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
     kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
-    out = kernel(packed, as_batch(k), as_batch(v), block_mask=mask, kernel_options=KERNEL_OPTIONS)
-    return out.view(key_heads, queries, group, dim).permute(1, 0, 2, 3).reshape(queries, heads, dim)
+    out = kernel(q, k, v, block_mask=mask, kernel_options=KERNEL_OPTIONS)
+    return out.view(key_heads, queries, group, dim).permute(1, 0, 2, 3).reshape(queries, key_heads * group, dim)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

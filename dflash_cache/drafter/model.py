@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from dflash_cache.drafter.attention import attend
+from dflash_cache.drafter.attention import attend, pack_heads
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.head_loss import chunk_terms
@@ -26,6 +27,9 @@ from dflash_cache.drafter.loss import DrafterLoss, drafter_loss
 from dflash_cache.drafter.masks import BatchMasks, BlockLayout
 from dflash_cache.drafter.regions import region
 from dflash_cache.errors import DFlashCacheError
+
+if torch.cuda.is_available():  # Triton comes with CUDA builds of torch only
+    from dflash_cache.drafter.rotary_kernel import norm_rotate_pack
 
 
 class RMSNorm(nn.Module):
@@ -41,23 +45,27 @@ class RMSNorm(nn.Module):
         return (self.weight * x32.to(x.dtype)).to(x.dtype)
 
 
-class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / theta**exponent, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for rotating [T, heads, D] at `positions`."""
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+def rotary_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
 
 
-def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = rope
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated to `positions` [T] (cos and sin rounded to x's dtype)."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def attention_heads(x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, inv_freq: torch.Tensor, key_heads: int,
+                    fused: bool) -> torch.Tensor:
+    """A projection [T, H * D] -> [1, key_heads, T * G, D] for `attend`: each head RMS-normed and rotated to
+    its position. fused: one Triton pass (drafter/rotary_kernel.py); else this torch code, its reference."""
+    if fused:
+        return norm_rotate_pack(x, norm.weight, positions, inv_freq, key_heads, norm.eps)[0]
+    heads = norm(x.unflatten(-1, (-1, 2 * inv_freq.shape[0])))
+    return pack_heads(rotate(heads, positions, inv_freq), key_heads)
 
 
 class Attention(nn.Module):
@@ -65,6 +73,8 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
+        self.key_heads = config.num_key_value_heads
+        self.group = config.num_attention_heads // config.num_key_value_heads
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
@@ -72,15 +82,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, context, rope_q, rope_kv, mask) -> torch.Tensor:
-        """x [Q, H] normed block states; context [N, H]; rope_q for the Q block positions, rope_kv
-        for the N context then Q block positions; mask a BlockMask or dense [Q, N+Q]."""
-        heads = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
-        q = self.q_norm(heads(self.q_proj(x)))
-        k = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(x)])))
-        v = heads(torch.cat([self.v_proj(context), self.v_proj(x)]))
-        q, k = rotate(q, rope_q), rotate(k, rope_kv)
-        return self.o_proj(attend(q, k, v, mask).flatten(1))
+    def forward(self, x, context, inv_freq, positions_q, positions_kv, mask) -> torch.Tensor:
+        """x [Q, H] normed block states; context [N, H]; positions_q of the Q block tokens, positions_kv of
+        the N context then Q block tokens; mask a BlockMask or dense [Q, N+Q] (the reference: torch code
+        throughout)."""
+        half = self.head_dim // 2  # the kernel's tiles take a power of two
+        fused = isinstance(mask, BlockMask) and x.is_cuda and half & (half - 1) == 0
+        q = attention_heads(self.q_proj(x), self.q_norm, positions_q, inv_freq, self.key_heads, fused)
+        k = attention_heads(torch.cat([self.k_proj(context), self.k_proj(x)]), self.k_norm, positions_kv, inv_freq,
+                            self.key_heads, fused)
+        v = pack_heads(torch.cat([self.v_proj(context), self.v_proj(x)]).unflatten(-1, (-1, self.head_dim)), self.key_heads)
+        return self.o_proj(attend(q, k, v, mask, self.group).flatten(1))
 
 
 class MLP(nn.Module):
@@ -102,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, context, rope_q, rope_kv, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, mask)
+    def forward(self, x, context, inv_freq, positions_q, positions_kv, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, inv_freq, positions_q, positions_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,7 +135,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.register_buffer("inv_freq", rotary_frequencies(config.head_dim, config.rope_theta), persistent=False)
         self.head = head
         self.attention = attention
         self.tile = tile
@@ -180,11 +192,10 @@ class DFlashDrafter(nn.Module):
         tokens = torch.where(slot == 0, inputs.input_ids[inputs.anchors][:, None], config.mask_token_id)
         x = F.embedding(tokens.reshape(-1), self.head.embed_tokens).to(dtype)
 
-        block_positions = masks.layout.q_pos[: a * b]
-        rope_q = self.rotary(block_positions, dtype)
-        rope_kv = self.rotary(torch.cat([inputs.positions, block_positions]), dtype)
+        positions_q = masks.layout.q_pos[: a * b]
+        positions_kv = torch.cat([inputs.positions, positions_q])
         for layer, kind in zip(self.layers, config.layer_types):
-            x = layer(x, context, rope_q, rope_kv, masks.by_type[kind])
+            x = layer(x, context, self.inv_freq, positions_q, positions_kv, masks.by_type[kind])
         return self.norm(x).unflatten(0, (a, b))
 
     def project_context(self, hidden: torch.Tensor) -> torch.Tensor:
