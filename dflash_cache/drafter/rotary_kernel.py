@@ -26,11 +26,16 @@ FORWARD_WARPS, BACKWARD_WARPS = 4, 8
 
 
 @triton.jit
-def _angles(positions, inv_freq, rows, keep, HALF: tl.constexpr):
-    """cos and sin [BLOCK_T, HALF] of the rows' positions (libdevice's, accurate for large angles)."""
+def _tiles(positions, inv_freq, weight, tokens, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's rows (int64) and which exist, the half-head columns, cos and sin [BLOCK_T, HALF] of the
+    rows' positions (libdevice's, accurate for large angles) and the norm's weight by halves [1, HALF]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    keep = rows < tokens
     cols = tl.arange(0, HALF)
     angle = tl.load(positions + rows, mask=keep, other=0).to(tl.float32)[:, None] * tl.load(inv_freq + cols).to(tl.float32)[None, :]
-    return libdevice.cos(angle), libdevice.sin(angle)
+    w1 = tl.load(weight + cols).to(tl.float32)[None, :]
+    w2 = tl.load(weight + HALF + cols).to(tl.float32)[None, :]
+    return rows.to(tl.int64), keep, cols, libdevice.cos(angle), libdevice.sin(angle), w1, w2
 
 
 @triton.jit(do_not_specialize=["tokens"])
@@ -38,13 +43,7 @@ def _forward(x, weight, positions, inv_freq, out, rstd, tokens, eps, GROUP: tl.c
              HALF: tl.constexpr, BLOCK_T: tl.constexpr):
     """One block of tokens, one key head and its GROUP query heads (the angles computed once for them)."""
     key_head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    keep = rows < tokens
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, HALF)
-    cos, sin = _angles(positions, inv_freq, rows, keep, HALF)
-    w1 = tl.load(weight + cols).to(tl.float32)[None, :]
-    w2 = tl.load(weight + HALF + cols).to(tl.float32)[None, :]
+    rows64, keep, cols, cos, sin, w1, w2 = _tiles(positions, inv_freq, weight, tokens, HALF, BLOCK_T)
     for g in tl.static_range(GROUP):
         head = key_head * GROUP + g
         src = x + rows64[:, None] * (KEY_HEADS * GROUP * 2 * HALF) + head * 2 * HALF + cols[None, :]
@@ -62,13 +61,7 @@ def _forward(x, weight, positions, inv_freq, out, rstd, tokens, eps, GROUP: tl.c
 def _backward(grad_out, x, weight, positions, inv_freq, rstd, grad_x, weight_parts, tokens, GROUP: tl.constexpr,
               KEY_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
     key_head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    keep = rows < tokens
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, HALF)
-    cos, sin = _angles(positions, inv_freq, rows, keep, HALF)
-    w1 = tl.load(weight + cols).to(tl.float32)[None, :]
-    w2 = tl.load(weight + HALF + cols).to(tl.float32)[None, :]
+    rows64, keep, cols, cos, sin, w1, w2 = _tiles(positions, inv_freq, weight, tokens, HALF, BLOCK_T)
     part1 = tl.zeros((HALF,), tl.float32)
     part2 = tl.zeros((HALF,), tl.float32)
     for g in tl.static_range(GROUP):
