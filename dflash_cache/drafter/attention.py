@@ -46,7 +46,8 @@ def pack_heads(t: torch.Tensor, key_heads: int) -> torch.Tensor:
     return t.view(tokens, key_heads, group, dim).permute(1, 0, 2, 3).reshape(1, key_heads, tokens * group, dim)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor, group: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor,
+           group: int) -> torch.Tensor:
     """q [1, Hkv, Q * group, D], k, v [1, Hkv, KV, D] (pack_heads) -> [Q, Hkv * group, D]. `mask` is a dense
     [Q, KV] bool, or a BlockMask with `group` rows per query (masks.block_mask's `group`): each key head then
     attends once for its group of query heads."""
@@ -55,7 +56,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
     if queries == 0:  # a batch without blocks; flex-attention cannot run on no queries
         mask = torch.zeros(0, k.shape[2], dtype=torch.bool, device=q.device)
     if isinstance(mask, torch.Tensor):
-        per_head = q[0].view(key_heads, queries, group, dim).transpose(1, 2).reshape(1, key_heads * group, queries, dim)
+        per_head = q[0].view(key_heads, queries, group, dim).transpose(1, 2).reshape(1, -1, queries, dim)
         return reference_attention(per_head, k, v, mask)[0].transpose(0, 1)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
     kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention

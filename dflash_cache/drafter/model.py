@@ -91,7 +91,8 @@ class Attention(nn.Module):
         q = attention_heads(self.q_proj(x), self.q_norm, positions_q, inv_freq, self.key_heads, fused)
         k = attention_heads(torch.cat([self.k_proj(context), self.k_proj(x)]), self.k_norm, positions_kv, inv_freq,
                             self.key_heads, fused)
-        v = pack_heads(torch.cat([self.v_proj(context), self.v_proj(x)]).unflatten(-1, (-1, self.head_dim)), self.key_heads)
+        v = torch.cat([self.v_proj(context), self.v_proj(x)]).unflatten(-1, (-1, self.head_dim))
+        v = pack_heads(v, self.key_heads)
         return self.o_proj(attend(q, k, v, mask, self.group).flatten(1))
 
 
