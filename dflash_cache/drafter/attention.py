@@ -56,7 +56,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
     if queries == 0:  # a batch without blocks; flex-attention cannot run on no queries
         mask = torch.zeros(0, k.shape[2], dtype=torch.bool, device=q.device)
     if isinstance(mask, torch.Tensor):
-        per_head = q[0].view(key_heads, queries, group, dim).transpose(1, 2).reshape(1, -1, queries, dim)
+        per_head = q[0].view(key_heads, queries, group, dim).transpose(1, 2)
+        per_head = per_head.reshape(1, key_heads * group, queries, dim)
         return reference_attention(per_head, k, v, mask)[0].transpose(0, 1)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
     kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
