@@ -96,6 +96,7 @@ def norm_rotate_pack(x: torch.Tensor, weight: torch.Tensor, positions: torch.Ten
                      key_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H * D] contiguous, weight [D], positions [T], inv_freq [D / 2] fp32 -> (out [1, key_heads, T * G, D]
     in x's dtype, reciprocal RMS [T, H] fp32)."""
+    x = x.contiguous()  # the kernel indexes rows of H * D; a no-op for a projection's output
     tokens, half = x.shape[0], inv_freq.shape[0]
     heads = x.shape[1] // (2 * half)
     group = heads // key_heads
@@ -111,6 +112,7 @@ def norm_rotate_pack(x: torch.Tensor, weight: torch.Tensor, positions: torch.Ten
 def norm_rotate_pack_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
                               inv_freq: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of x [T, H * D], grad of weight [D] in its dtype) from grad_out [1, Hkv, T * G, D] contiguous."""
+    x = x.contiguous()
     tokens, heads = rstd.shape
     half, key_heads = inv_freq.shape[0], grad_out.shape[1]
     blocks = triton.cdiv(tokens, BLOCK_T)
