@@ -99,7 +99,7 @@ def count(tokenizer, *texts: str) -> int:
 def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
     data = write(tmp_path / "data.jsonl", GOOD[:1])
     out = tmp_path / "cache"
-    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--out", out]
+    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--out", out, "--token-budget", 512]
     code, _, err = cli(*args, "--chat-template-kwargs", "[1]")
     assert code == 2 and "--chat-template-kwargs" in err and "must be a JSON object" in err
     code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": false}')
@@ -114,7 +114,7 @@ def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
     past = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
                          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
     data = write(tmp_path / "data.jsonl", [past, GOOD[0], past])
-    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4"]
+    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
     code, _, err = cli(*args, "--out", tmp_path / "a")
     assert code == 0, err
     assert err.count("warning: the chat template does not render 2 conversations as the data has them") == 1

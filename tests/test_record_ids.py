@@ -180,7 +180,8 @@ def test_ids_from_jsonl_and_parquet_through_extract_to_lookup_and_inspect(qwen3_
                              "id": pa.array([100, None], pa.int64())}), tokens)
     cache_dir = tmp_path / "cache"
     result = CliRunner().invoke(main, ["extract", "--target", str(qwen3_target_dir), "--data", str(conversations),
-                                       "--data", str(tokens), "--out", str(cache_dir), "--layers", "1"])
+                                       "--data", str(tokens), "--out", str(cache_dir), "--layers", "1",
+                                       "--token-budget", "512"])
     assert result.exit_code == 0, result.output
     cache = open_cache(cache_dir)
     assert [cache.record_id(i) for i in range(6)] == ["oa-0", "1", None, "sg-3", "100", None]
