@@ -40,7 +40,7 @@ class BucketLayout:
     def describe(self) -> str:
         return f"padded batches of {len(self.shapes())} fixed shapes (token budget {self.token_budget})"
 
-    def warmup_samples(self) -> list[Sample]:
+    def warmup_samples(self, sequence: int = 0) -> list[Sample]:
         return []  # each shape is compiled when first met: warming all of them would cost more than it saves
 
     def _bucket_shape(self, upper: int) -> tuple[int, int]:

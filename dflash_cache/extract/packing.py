@@ -64,10 +64,10 @@ class PackedLayout:
     def describe(self) -> str:
         return f"packed rows of {self.row_tokens} tokens (one input shape)"
 
-    def warmup_samples(self) -> list[Sample]:
-        """Dummy samples filling one row: its one shape compiled before the first real row."""
-        full, rest = divmod(self.row_tokens, WARMUP_SEQUENCE)
-        sizes = [WARMUP_SEQUENCE] * full + ([rest] if rest else [])
+    def warmup_samples(self, sequence: int = WARMUP_SEQUENCE) -> list[Sample]:
+        """Dummy samples of `sequence` tokens filling one row: its one shape compiled before the first real row."""
+        full, rest = divmod(self.row_tokens, sequence)
+        sizes = [sequence] * full + ([rest] if rest else [])
         return [Sample(-1 - i, np.zeros(n, dtype=np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(sizes)]
 
     def plan(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> Batches:
