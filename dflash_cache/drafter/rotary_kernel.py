@@ -8,7 +8,7 @@ the query heads of a key head packed query by query, as drafter/attention.py `at
 layout, and their backward) ran the 27B drafter's four such kernels a layer at 0.6 TB/s and under,
 3.45 ms of a compiled step (BENCHMARKS.md session 19); this pass reads x once and writes the layout
 once, computing sin and cos on the fly: q and k, forward and backward, 1.37 against 1.65 ms a layer on
-an H200 (session 21); the compiled step went from 1.391x to 1.415x the peer run beside it. The backward
+an H200, side by side (session 21). The backward
 recomputes the rotation from the positions and the norm from x and the saved reciprocal RMS.
 `norm_rotate_pack` is a torch custom op with its autograd, so the compiled drafter and the eager regions
 trace it as one call; model.py's torch code for the same chain, what the CPU and the dense reference

@@ -46,10 +46,10 @@ from dflash_cache.extract.target import Target
 
 # The CPU's warm-up row is cut into sequences of at most this many tokens, not packing's 2,048: nothing
 # is compiled for their lengths there, and the CPU computes attention per sequence, at the square of its
-# length (the default 49,152-token row of 2,048-token sequences took 15 s of the demo's 19 s extraction
-# on the 2-core CI machine; of 512-token ones, the extraction took 8 s). The warm-up row of a run with a
-# token budget up to 512 is as it was in the runs where the first-forward difference was seen and cured
-# (the resume tests, a budget of 300; docs/FAULTS.md, "Not covered").
+# length (tests/test_demo.py's end-to-end test, on the 2-core development machine, alternating: 19.6 and
+# 23.3 s with 2,048-token sequences, 9.2 and 9.8 s with 512). The warm-up row of a run with a token budget
+# up to 512 is as it was in the runs where the first-forward difference was seen and cured (the resume
+# tests, a budget of 300; docs/FAULTS.md, "Not covered").
 CPU_WARMUP_SEQUENCE = 512
 
 
