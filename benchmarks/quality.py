@@ -84,6 +84,7 @@ VARIANTS = {
     "dpace": Variant("D-PACE loss", train=("--loss", "dpace")),
     "topk": Variant("top-k distillation loss", train=("--loss", "topk"), cache="topk"),
 }
+PEER = "speculators"  # speculators 0.9.0's trainer, beside ours
 EVAL_SETS = {"humaneval": "data/humaneval_heldout.jsonl", "questions": "data/questions_heldout.jsonl"}
 TOPK = 8
 
@@ -94,18 +95,22 @@ TOPK = 8
 
 def cli(config: QualityConfig, args: list[str], log: Path) -> str:
     """Runs `dflash-cache ARGS`, its output to `log`; returns the output, or stops naming the log."""
+    return command(config, [*shlex.split(config.command), *args], log)
+
+
+def command(config: QualityConfig, argv: list[str], log: Path) -> str:
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = [*shlex.split(config.command), *args]
     started = time.time()
     with open(log, "w") as out:
-        out.write("$ " + shlex.join(command) + "\n")
+        out.write("$ " + shlex.join(argv) + "\n")
         out.flush()
-        rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
+        rc = subprocess.run(argv, check=False, stdout=out, stderr=subprocess.STDOUT,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
     text = log.read_text()
-    print(f"  {shlex.join(args[:1])} ... {time.time() - started:.0f} s -> {log}", flush=True)
+    print(f"  {log.stem} ... {time.time() - started:.0f} s", flush=True)
     if rc != 0:
         tail = "\n".join(text.splitlines()[-5:])
-        raise SystemExit(f"dflash-cache {args[0]} failed (exit {rc}); see {log}:\n{tail}")
+        raise SystemExit(f"{log.stem} failed (exit {rc}); see {log}:\n{tail}")
     return text
 
 
@@ -263,7 +268,36 @@ def evaluate(config: QualityConfig, name: str, export: Path) -> dict[str, EvalRe
     return results
 
 
+def speculators_export(config: QualityConfig) -> Path:
+    """speculators 0.9.0's DFlash trainer at its own defaults, on the same samples, layers, drafter
+    shape, block and token budget, exported to the reference layout (benchmarks/peer_speculators.py)."""
+    export = config.work / "exports" / PEER
+    if (export / "config.json").exists():
+        return export
+    data, run, logs = config.work / "caches" / "speculators-data", config.work / "runs" / PEER, config.work / "logs"
+    python = [sys.executable, "-m"]
+    if not (data / "dataset_info.json").exists():
+        command(config, [*python, "benchmarks.peer_speculators", "to-peer", str(extract(config, "speculators")), str(data)],
+                logs / "speculators-data.log")
+    steps = train_steps(config)
+    command(config, [*python, "speculators.train", "--speculator-type", "dflash", "--verifier-name-or-path",
+                     str(config.work / "target"), "--data-path", str(data), "--save-path", str(run),
+                     "--num-layers", "5", "--draft-arch", "qwen3", "--target-layer-ids", *map(str, default_layers(config)),
+                     "--full-attention-indices", *map(str, range(5)),  # its default is sliding, ours (and z-lab's) full
+                     "--mask-token-id", str(config.mask_token_id), "--block-size", "16",
+                     "--total-seq-len", str(config.batch_tokens), "--max-steps", str(steps), "--epochs", "1000",
+                     "--train-data-ratio", "0.99", "--on-missing", "raise", "--num-workers", "2",
+                     # its fused Triton loss fails under torch.compile on torch 2.11 (shared/peer/README.md)
+                     "--loss-implementation", "eager"], logs / "speculators-train.log")
+    checkpoint = max(run.rglob("model.safetensors"), key=lambda f: f.stat().st_mtime).parent
+    command(config, [*python, "benchmarks.peer_speculators", "to-export", str(checkpoint),
+                     str(config.work / "exports" / "base"), str(export)], logs / "speculators-export.log")
+    return export
+
+
 def run_variant(config: QualityConfig, name: str) -> dict[str, EvalResult]:
+    if name == PEER:
+        return evaluate(config, name, speculators_export(config))
     variant = VARIANTS[name]
     cache = config.work / "caches" / variant.cache
     return evaluate(config, name, train_and_export(config, name, variant, cache))
@@ -275,7 +309,7 @@ def table(config: QualityConfig, results: dict[str, dict[str, EvalResult]]) -> s
             *[f"acc@{i} (he/q)" for i in range(1, positions + 1)]]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, by_set in results.items():
-        cells = [name, VARIANTS[name].about if name in VARIANTS else name]
+        cells = [name, VARIANTS[name].about if name in VARIANTS else "speculators 0.9.0's trainer at its defaults"]
         cells += [f"{by_set[s].tau:.2f}" for s in EVAL_SETS] + [f"{by_set[s].tokens_per_forward:.2f}" for s in EVAL_SETS]
         for i in range(positions):
             cells.append("/".join(f"{r.acceptance[i]:.2f}" if i < len(r.acceptance) else "-" for r in by_set.values()))
@@ -294,10 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("train_questions", "humaneval_train", "regenerate_max_tokens", "regenerate_processes", "train_tokens", "batch_tokens",
                  "mask_token_id", "eval_prompts", "eval_new_tokens", "parallel"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
+                        f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)")
     args = parser.parse_args(argv)
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and v != PEER]
+    if PEER in variants and "base" not in variants:
+        unknown.append(f"{PEER} without base")
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     config = replace(defaults, **{k: v for k, v in vars(args).items() if k != "variants"}, variants=variants)
@@ -308,11 +345,14 @@ def main(argv: list[str] | None = None) -> None:
     prepare_data(config)
     print("regenerate ...", flush=True)
     regenerate(config)
-    for cache in dict.fromkeys(VARIANTS[v].cache for v in variants):
+    for cache in dict.fromkeys(VARIANTS[v].cache for v in variants if v != PEER):
         extract(config, cache)
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
+    ours = [v for v in variants if v != PEER]
     with ThreadPoolExecutor(config.parallel) as pool:
-        results = dict(zip(variants, pool.map(lambda v: run_variant(config, v), variants)))
+        results = dict(zip(ours, pool.map(lambda v: run_variant(config, v), ours)))
+    if PEER in variants:  # its export takes the config of base's
+        results[PEER] = run_variant(config, PEER)
     settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens, "
                 f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
     text = f"{settings}\n\n{table(config, results)}"
