@@ -56,6 +56,22 @@ def test_loader_packs_batches_exactly_as_the_store_reads_them(tmp_path, codec):
         assert batch.hidden.dtype == torch.bfloat16
 
 
+def test_loader_reads_top_k_labels_when_asked(tmp_path):
+    """`topk`: each batch carries the cache's top-K ids and log-probabilities, packed as the tokens are;
+    without it, none (no memory spent on them)."""
+    caches = CacheSet([cache_at(tmp_path / "c", topk=3)])
+    batches = plan_batches(list(range(len(caches))), caches.lengths, 50, seed=3)
+    with Loader(caches, batches, "cpu", prefetch=2, workers=3, topk=True) as loader:
+        got = list(loader)
+    for keys, batch in zip(batches, got):
+        samples = [caches.caches[0][caches.sample_id(k)] for k in keys]
+        assert batch.topk_ids.shape == (batch.num_tokens, 3) and batch.topk_ids.dtype == torch.int64
+        assert torch.equal(batch.topk_ids, torch.cat([s.topk_ids for s in samples]))
+        assert torch.equal(batch.topk_logprobs, torch.cat([s.topk_logprobs for s in samples]))
+    with Loader(caches, batches[:1], "cpu") as loader:
+        assert next(loader).topk_ids is None
+
+
 def test_host_buffers_have_one_size_for_the_whole_run(tmp_path):
     """Every batch's planes sit in a buffer sized for the largest batch, so pinned blocks are reused."""
     caches = CacheSet([cache_at(tmp_path / "c")])

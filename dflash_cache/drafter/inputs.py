@@ -20,6 +20,8 @@ class DraftInputs:
     positions: torch.Tensor  # [T] int64, position inside the token's own sequence
     seq_ids: torch.Tensor  # [T] int64
     anchors: torch.Tensor  # [A] int64 packed indices, sorted
+    topk_ids: torch.Tensor | None = None  # [T, K] int64, the target's top-K next tokens (when loaded)
+    topk_logprobs: torch.Tensor | None = None  # [T, K] fp32
 
     @classmethod
     def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> "DraftInputs":
@@ -31,6 +33,8 @@ class DraftInputs:
             positions=batch.position_ids(),
             seq_ids=batch.sequence_ids(),
             anchors=anchors.long(),
+            topk_ids=batch.topk_ids,
+            topk_logprobs=batch.topk_logprobs,
         )
 
     def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> "DraftInputs":
@@ -59,4 +63,6 @@ class DraftInputs:
             positions=torch.cat([self.positions, torch.arange(pad, device=self.positions.device)]),
             seq_ids=torch.cat([self.seq_ids, next_sequence.expand(pad)]),
             anchors=torch.cat([self.anchors, self.anchors.new_full((anchor_budget - a,), n)]),
+            topk_ids=None if self.topk_ids is None else torch.cat([self.topk_ids, zeros(self.topk_ids)]),
+            topk_logprobs=None if self.topk_logprobs is None else torch.cat([self.topk_logprobs, zeros(self.topk_logprobs)]),
         )

@@ -335,7 +335,8 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[Fe
         try:
             with sync:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
                 (out.loss / len(micro)).backward()
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
@@ -377,7 +378,8 @@ def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, li
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
             try:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not is_out_of_memory(e):
                     raise
