@@ -149,6 +149,22 @@ def test_offline_tau_equals_the_trainers_held_out_tau(tmp_path):
     assert everything.split == "every sample of the cache"
 
 
+@pytest.mark.parametrize("loss", ["dpace", "topk"])
+def test_offline_loss_is_the_runs_own_loss(tmp_path, loss):
+    """A run trained with another --loss is evaluated with it, as its held-out evaluation was; a topk
+    drafter's loss needs a cache with top-K labels."""
+    cache = make_cache(tmp_path / "cache", topk=3)
+    train(tiny_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1, loss=loss), echo=lambda line: None)
+    logged = [r for r in metrics(tmp_path / "run") if "eval_loss" in r][-1]
+    report = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache]))
+    assert report.loss == pytest.approx(logged["eval_loss"], rel=1e-6)
+    assert report.tau == pytest.approx(logged["eval_tau"], rel=1e-12)
+    if loss == "topk":
+        plain = make_cache(tmp_path / "plain")
+        with pytest.raises(DFlashCacheError, match="trained with --loss topk.*extracted with --topk K"):
+            evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[plain]))
+
+
 def test_cli(qwen3_target_dir, conversations, tmp_path):
     drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
     runner = CliRunner()
