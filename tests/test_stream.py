@@ -115,23 +115,24 @@ def test_corrupt_row_names_the_sample(tmp_path):
         list(loader)
 
 
-@pytest.mark.parametrize("name, bad", [("target_ids", 100), ("input_ids", -1)])
+@pytest.mark.parametrize("name, bad", [("target_ids", 100), ("input_ids", -1), ("topk_ids", 100)])
 def test_token_ids_outside_the_vocabulary_name_the_sample(tmp_path, name, bad):
     """Rows that pass their checksums but hold an id the target's vocabulary (100) lacks: the GPU loss
-    kernel would read past a row of logits, so the loader stops, naming the sample."""
-    root, spec = tmp_path / "c", random_spec(vocab_size=100)
+    kernel would read past a row of logits, so the loader stops, naming the sample. Top-K ids are
+    checked when the batches read them."""
+    root, spec = tmp_path / "c", random_spec(vocab_size=100, topk=2 if name == "topk_ids" else 0)
     writer = ShardWriter(root, rank=0, spec=spec)
     for sid in range(3):
         row, _ = random_row(sid, 12, spec)
         if sid == 1:
-            getattr(row, name)[5] = bad
+            getattr(row, name).reshape(-1)[5] = bad
         writer.append(row)
     writer.commit()
     write_manifest(root, build_manifest(read_journals(root)))
     caches = CacheSet([root])
     with pytest.raises(DFlashCacheError, match=f"reading sample 1: {name} holds token id {bad}, outside the "
                                                "target's vocabulary of 100"), \
-            Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
+            Loader(caches, [[k] for k in range(len(caches))], "cpu", topk=name == "topk_ids") as loader:
         list(loader)
 
 

@@ -84,11 +84,11 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_
     )
 
 
-def check_token_ids(row: Row, vocab: int) -> None:
+def check_token_ids(row: Row, vocab: int, topk: bool = False) -> None:
     """Token ids index the target's embeddings and, as labels, each row of the LM-head loss's logits,
     whose GPU kernel reads the label's logit unchecked: an id outside the vocabulary, in a damaged or
-    foreign cache, stops here rather than there."""
-    for name in ("input_ids", "target_ids", "topk_ids"):
+    foreign cache, stops here rather than there. `topk`: the top-K ids too (when the batch reads them)."""
+    for name in ("input_ids", "target_ids", *(("topk_ids",) if topk else ())):
         ids = getattr(row, name)
         if ids is None:
             continue
@@ -104,7 +104,7 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     start, end = batch.offsets[index], batch.offsets[index + 1]
     try:
         row = caches.read(key)  # its token count checked against the manifest's
-        check_token_ids(row, caches.spec["target"]["vocab_size"])
+        check_token_ids(row, caches.spec["target"]["vocab_size"], topk=batch.topk_ids is not None)
         planes = batch.planes.numpy()
         per_token = planes.shape[1] // batch.offsets[-1]
         decompress_into(row.hidden, caches.codec, planes[:, start * per_token : end * per_token])
