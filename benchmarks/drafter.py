@@ -37,8 +37,8 @@ import shlex
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -51,7 +51,6 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.train.optim import build_optimizer, clipped_step, gradient_norm
-
 
 PEER_SEED = 1234  # the generator seed of speculators 0.9.0's step script
 

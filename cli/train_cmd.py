@@ -1,8 +1,8 @@
 import click
-from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 
 @click.command("train")

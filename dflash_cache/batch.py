@@ -42,7 +42,7 @@ class FeatureBatch:
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "FeatureBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> FeatureBatch:
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return FeatureBatch(
             sample_ids=self.sample_ids,
@@ -53,7 +53,7 @@ class FeatureBatch:
             cu_seqlens=move(self.cu_seqlens),
         )
 
-    def pin_memory(self) -> "FeatureBatch":
+    def pin_memory(self) -> FeatureBatch:
         return FeatureBatch(
             sample_ids=self.sample_ids,
             input_ids=self.input_ids.pin_memory(),

@@ -10,7 +10,7 @@ per-row part is a Triton kernel (drafter/head_kernel.py), elsewhere `reference_t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -87,7 +87,7 @@ def head_cross_entropy(
     sizes = chunk_sizes(rows, chunk_rows or max(1, LOGITS_PER_CHUNK // weight.shape[0]))
     with_grad = states.requires_grad and torch.is_grad_enabled()
     with torch.no_grad():
-        parts = [terms(s, weight.detach(), l, w, with_grad) for s, l, w in
+        parts = [terms(s, weight.detach(), y, w, with_grad) for s, y, w in
                  zip(states.detach().split(sizes), labels.split(sizes), row_weights.split(sizes))]
     loss = torch.stack([part[0] for part in parts]).sum()
     predictions = torch.cat([part[1] for part in parts])

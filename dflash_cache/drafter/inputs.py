@@ -22,7 +22,7 @@ class DraftInputs:
     anchors: torch.Tensor  # [A] int64 packed indices, sorted
 
     @classmethod
-    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> "DraftInputs":
+    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> DraftInputs:
         return cls(
             input_ids=batch.input_ids,
             loss_mask=batch.loss_mask,
@@ -33,7 +33,7 @@ class DraftInputs:
             anchors=anchors.long(),
         )
 
-    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> "DraftInputs":
+    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> DraftInputs:
         """Fixed shapes for the compiled drafter: `token_budget + block_size` tokens, `anchor_budget` anchors.
 
         The padding is one extra sequence with no loss-masked token; padding anchors sit at its start,

@@ -8,8 +8,8 @@ draft is accepted only up to its first miss. The loss is the weighted mean over 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -42,7 +42,7 @@ class OfflineOptions:
     labels: str | None = None
     device: str | None = None
 
-    def resolved(self, run_options: dict, device_type: str) -> "OfflineOptions":
+    def resolved(self, run_options: dict, device_type: str) -> OfflineOptions:
         token_budget, max_anchors = device_defaults(device_type)
         fallback = {"eval_fraction": 0.0, "token_budget": token_budget, "max_anchors": max_anchors, "seed": 0,
                     "gamma": 7.0, "labels": "target"}

@@ -33,9 +33,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,13 +76,13 @@ def node_lock(folder: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _autotuners_patched(threads: int, make_run) -> Iterator[tuple[type, "_CompileAndBuildLauncher"] | None]:
+def _autotuners_patched(threads: int, make_run) -> Iterator[tuple[type, _CompileAndBuildLauncher] | None]:
     """While active, Triton's Autotuner.run is `make_run(the original run, AsyncCompileMode, compiler)`,
     `compiler` handing compilations to a pool of `threads`; yields (AsyncCompileMode, compiler), or
     None, patching nothing, with a Triton that has no asynchronous compile mode."""
     try:
-        from triton.runtime.autotuner import Autotuner
         from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.autotuner import Autotuner
     except ImportError:
         yield None
         return
