@@ -17,7 +17,7 @@ from dflash_cache.extract.varlen import ATTENTION, packed_kernels
 
 
 def lognormal_lengths(n: int, seed: int = 0, longest: int = 8192) -> list[int]:
-    """Conversation lengths of chat data: lognormal around 2,600 tokens, cut at the max length."""
+    """Conversation lengths modelled on measured chat data: lognormal around 2,600 tokens, cut at the max length."""
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(2600), 0.9, n), 16, longest).astype(int).tolist()
 
