@@ -1,9 +1,9 @@
 import click
-from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 from dflash_cache.choices import LOSSES
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 
 @click.command("train")

@@ -46,13 +46,13 @@ class FeatureBatch:
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "FeatureBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> FeatureBatch:
         return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "FeatureBatch":
+    def pin_memory(self) -> FeatureBatch:
         return self.apply(torch.Tensor.pin_memory)
 
-    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "FeatureBatch":
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FeatureBatch:
         """The batch with `fn` applied to each of its tensors."""
         return FeatureBatch(
             sample_ids=self.sample_ids,

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.drafter.checkpoint import save_drafter
 from dflash_cache.drafter.config import DrafterConfig
@@ -24,6 +23,7 @@ from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.train.checkpoint import COMPLETE
 from dflash_cache.train.train import train
+from dflash_cache_cli.main import main
 from tests.test_train_helpers import make_cache, metrics, tiny_config
 
 LAYERS = [1, 4]

@@ -7,12 +7,12 @@ import torch
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.plan import plan_batches
+from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.shard import ShardWriter
 from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
 from dflash_cache.stream.loader import Loader, ReaderError, empty_host_batch
 from dflash_cache.stream.memory import MemorySource
-from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
-from dflash_cache.store.shard import ShardWriter
 from tests.cachegen import random_row, random_spec, write_random_cache
 
 LENGTHS = [7, 30, 1, 18, 44, 9, 25, 13, 3, 36, 21, 16]
@@ -265,8 +265,7 @@ def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
 
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
 def test_decompress_into_matches_the_store(codec):
-    from dflash_cache.store.codecs import compress, decompress, encode, encoded_size
-    from dflash_cache.store.codecs import PLANE_LAYOUT, decompress_into
+    from dflash_cache.store.codecs import PLANE_LAYOUT, compress, decompress, decompress_into, encode, encoded_size
 
     x = torch.randn(37, 3 * 16).bfloat16()
     payload = compress(encode(x, codec, 3).planes.numpy(), codec)

@@ -1,8 +1,8 @@
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
-from tests.test_train_helpers import drafter_json, losses, make_cache, metrics
+from dflash_cache_cli.main import main
+from tests.test_train_helpers import drafter_json, losses, make_cache
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ per-row part is a Triton kernel (drafter/head_kernel.py), elsewhere `reference_t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -102,7 +102,7 @@ def head_cross_entropy(
     with_grad = states.requires_grad and torch.is_grad_enabled()
     probs = [None] * len(sizes) if label_probs is None else label_probs.split(sizes)
     with torch.no_grad():
-        parts = [terms(s, weight.detach(), l, w, with_grad, p) for s, l, w, p in
+        parts = [terms(s, weight.detach(), y, w, with_grad, p) for s, y, w, p in
                  zip(states.detach().split(sizes), labels.split(sizes), row_weights.split(sizes), probs)]
         nll = torch.cat([part[0] for part in parts])
         scale = row_weights.float()

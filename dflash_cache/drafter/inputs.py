@@ -24,7 +24,7 @@ class DraftInputs:
     topk_logprobs: torch.Tensor | None = None  # [T, K] fp32
 
     @classmethod
-    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> "DraftInputs":
+    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> DraftInputs:
         return cls(
             input_ids=batch.input_ids,
             loss_mask=batch.loss_mask,
@@ -37,7 +37,7 @@ class DraftInputs:
             topk_logprobs=batch.topk_logprobs,
         )
 
-    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> "DraftInputs":
+    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> DraftInputs:
         """Fixed shapes for the compiled drafter: `token_budget + block_size` tokens, `anchor_budget` anchors.
 
         The padding is one extra sequence with no loss-masked token; padding anchors sit at its start,

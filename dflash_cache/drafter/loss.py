@@ -17,8 +17,8 @@ Whatever the objective, the metrics (accuracy, tau) compare the drafter's argmax
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

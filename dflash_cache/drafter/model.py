@@ -11,7 +11,7 @@ Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a sta
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -45,7 +45,7 @@ class OfflineOptions:
     dpace_alpha: float | None = None
     device: str | None = None
 
-    def resolved(self, run_options: dict, device_type: str) -> "OfflineOptions":
+    def resolved(self, run_options: dict, device_type: str) -> OfflineOptions:
         token_budget, max_anchors = device_defaults(device_type)
         fallback = {"eval_fraction": 0.0, "token_budget": token_budget, "max_anchors": max_anchors, "seed": 0,
                     "gamma": 7.0, "labels": "target", "loss": LOSSES[0], "dpace_alpha": DPACE_ALPHA}

@@ -44,7 +44,7 @@ class Source(ABC):
     def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
         return self.keyed.split(eval_fraction)
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - a default that checks nothing, not a method to implement
         """Raises if the target files the drafter config reads are damaged."""
 
     def close(self) -> None:

@@ -61,7 +61,6 @@ from dflash_cache.train.checkpoint import (
     set_rng_state,
 )
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.units import size as gb
 from dflash_cache.train.distributed import (
     Rank,
     all_gather_objects,
@@ -78,6 +77,7 @@ from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_s
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
+from dflash_cache.units import size as gb
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
