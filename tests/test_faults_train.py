@@ -12,11 +12,11 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
 from dflash_cache.train.distributed import RankFailed
 from dflash_cache.train.train import train
+from dflash_cache_cli.main import main
 from tests.test_train_helpers import (
     drafter_json,
     losses,
