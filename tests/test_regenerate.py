@@ -256,6 +256,8 @@ def _greedy_reference(records: list[dict], max_new_tokens: int) -> list[list[dic
     out = []
     for record in records:
         messages = [dict(m) for m in record["messages"]]
+        if not any(m["role"] == "assistant" for m in messages):  # a prompt: its answer is appended
+            messages.append({"role": "assistant"})
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -292,6 +294,27 @@ def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tm
     local = tmp_path / "local.jsonl"
     regenerate(RegenerateOptions(data=[data], out=local, target=TARGET, settings=settings))
     assert [r["messages"] for r in sorted(read_jsonl(local), key=lambda r: int(r["source"].rsplit(":", 1)[1]))] == expected
+
+
+def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_path, monkeypatch):
+    """Conversations waiting together are generated as one left-padded batch, each row's answer the
+    target's own greedy `generate` of that conversation alone; a prompt-only record gets its answer
+    appended; --limit takes the first N records."""
+    from dflash_cache.regenerate import local
+
+    batches = []
+    generate = local._Replica.generate
+    monkeypatch.setattr(local._Replica, "generate", lambda self, prompts, *a: batches.append(len(prompts)) or generate(self, prompts, *a))
+    records = [{"messages": r["messages"][:2]} for r in _bundled([1, 2, 3, 4, 5, 6, 7])]
+    records[2] = {"messages": records[2]["messages"][:1]}  # prompt only
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(RegenerateOptions(data=[data], out=out, target=TARGET, limit=6,
+                                           settings=GenerationSettings(max_tokens=12)))
+    assert summary.records == 6 and max(batches) > 1
+    expected = _greedy_reference(records[:6], max_new_tokens=12)
+    written = sorted(read_jsonl(out), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
+    assert [r["messages"] for r in written] == expected
 
 
 @pytest.mark.slow
