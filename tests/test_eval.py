@@ -1,5 +1,7 @@
 """Speculative decoding equals the target's greedy decoding; offline tau equals the trainer's."""
 
+import warnings
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -68,11 +70,13 @@ def test_random_drafter_decodes_exactly_with_tau_near_one(target_dir, conversati
     assert report.tau == pytest.approx(1 + sum(report.acceptance))
 
 
+@pytest.mark.parametrize("kv_cache", [False, True])
 @pytest.mark.parametrize("wrong_slot", [None, 3, 1])
-def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wrong_slot):
+def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wrong_slot, kv_cache):
     """An oracle drafter proposes the greedy continuation (one slot spoiled): whole blocks, or
     exactly the drafts before the spoiled slot, are accepted, and the output stays the greedy one.
-    The drafter sees every earlier position's features, as a fresh forward computes them."""
+    The drafter sees every earlier position's features, as a fresh forward computes them, whether
+    each cycle recomputes the sequence or verifies on the KV cache cut back after it."""
     stops = speculative.stop_ids(fp32_target)
     prompt = load_prompts([conversations], fp32_target.tokenizer, 1)[0]
     greedy = greedy_generate(fp32_target.model, prompt, 20, stops).tokens
@@ -89,7 +93,7 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
         seen.append((tokens[:-1].clone(), context))
         return truth
 
-    generation = speculative_generate(runner, oracle, BLOCK, prompt, 20, stops)
+    generation = speculative_generate(runner, oracle, BLOCK, prompt, 20, stops, kv_cache)
     assert generation.tokens == greedy
     expected = BLOCK - 1 if wrong_slot is None else wrong_slot - 1
     assert generation.accepted[:-1] == [expected] * (len(generation.accepted) - 1)
@@ -97,6 +101,22 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
     tokens, context = seen[-1]
     fresh = runner.run(tokens[None], torch.tensor([len(tokens)])).hidden[0]
     torch.testing.assert_close(context.float(), fresh.float(), atol=1e-5, rtol=2**-7)
+
+
+def test_eval_verifies_on_the_kv_cache_where_it_can_be_cut_back_and_warns_of_nothing(target_dir, conversations, tmp_path):
+    """Dense attention: KV-cached verification and a speed-up printed; hybrid linear attention: the
+    whole sequence recomputed and no speed-up claimed. Neither run raises a warning (a deprecated
+    transformers argument would)."""
+    drafter = random_drafter(tmp_path / "drafter", target_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = evaluate_speculative(SpeculativeOptions(drafter=drafter, target=target_dir, data=[conversations],
+                                                         max_new_tokens=8, num_prompts=2))
+    hybrid = "linear_attention" in (load_target(target_dir, "cpu").config.layer_types or [])
+    assert report.kv_cached is not hybrid
+    timing = report.lines()[4]
+    assert ("speed-up" in timing and "KV-cached greedy" in timing) is not hybrid
+    assert ("no speed-up measured" in timing) is hybrid
 
 
 def test_a_wrong_output_fails_loudly(qwen3_target_dir, conversations, tmp_path, monkeypatch):
