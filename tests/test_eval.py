@@ -1,5 +1,6 @@
 """Speculative decoding equals the target's greedy decoding; offline tau equals the trainer's."""
 
+import json
 import warnings
 
 import pytest
@@ -119,6 +120,24 @@ def test_eval_verifies_on_the_kv_cache_where_it_can_be_cut_back_and_warns_of_not
     assert ("no speed-up measured" in timing) is hybrid
 
 
+def test_a_prompt_only_record_is_the_prompt_its_answered_form_gives(fp32_target, conversations, tmp_path):
+    """Each conversation cut before its first assistant turn gives the prompt the whole one gives
+    (its rendering up to the generation prompt); --limit counts records."""
+    records = [json.loads(line) for line in conversations.read_text().splitlines()]
+    cut = [{"messages": r["messages"][:next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}
+           for r in records]
+    prompt_only = tmp_path / "prompts.jsonl"
+    prompt_only.write_text("".join(json.dumps(r) + "\n" for r in cut))
+    tokenizer = fp32_target.tokenizer
+    assert load_prompts([prompt_only], tokenizer, 5) == load_prompts([conversations], tokenizer, 5)
+    assert len(load_prompts([prompt_only], tokenizer)) == len(records)
+    drafter = random_drafter(tmp_path / "drafter", fp32_target.path)
+    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), "--target", str(fp32_target.path),
+                                       "--data", str(prompt_only), "--limit", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert "2 prompts, " in result.output and "eval: 2/2 prompts" in result.stderr
+
+
 def test_a_wrong_output_fails_loudly(qwen3_target_dir, conversations, tmp_path, monkeypatch):
     drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
     real = speculative.speculative_generate
@@ -184,7 +203,7 @@ def test_cli(qwen3_target_dir, conversations, tmp_path):
 
 
 @pytest.mark.parametrize("options, message, exit_code", [
-    (["--num-prompts", "-1"], "Invalid value for '--num-prompts': -1 is not in the range x>=0", 2),
+    (["--num-prompts", "-1"], "Invalid value for '--num-prompts' / '--limit': -1 is not in the range x>=0", 2),
     (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda or cuda:N)", 1),
     (["--device", "cuda:7"], "--device cuda:7: there is no such GPU (this machine shows", 1),
 ])
