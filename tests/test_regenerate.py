@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash_cache.data.readers import read_records
@@ -315,6 +316,35 @@ def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_
     expected = _greedy_reference(records[:6], max_new_tokens=12)
     written = sorted(read_jsonl(out), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
     assert [r["messages"] for r in written] == expected
+
+
+def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
+    """Greedy decoding of a batch whose rows end at different steps (an end token each row meets at
+    its own time): every row's answer is the target's own `generate` of it alone, end token included."""
+    import threading
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_cache.regenerate.local import _Replica
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    prompts = [tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+               for r in _bundled([1, 2, 3, 4, 5])]
+
+    def alone(prompt, eos):
+        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
+        return ids[0, len(prompt):].tolist()
+
+    first = [alone(p, tokenizer.eos_token_id) for p in prompts]
+    ends = sorted({row[2 + 3 * i] for i, row in enumerate(first)} | {tokenizer.eos_token_id})  # rows end early, apart
+    replica = _Replica(TARGET, "cpu", threading.Event())
+    replica.model.generation_config.eos_token_id = ends
+    answers = replica.generate(prompts, GenerationSettings(max_tokens=16), "m")
+    expected = [alone(p, ends) for p in prompts]
+    assert [a.completion_tokens for a in answers] == [len(e) for e in expected]
+    assert len(set(map(len, expected))) > 1  # the rows did finish at different steps
+    assert [a.content for a in answers] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 One replica per device (`--gpus`, or the CPU), each answering requests from a shared queue on its
 own thread. A replica takes every request waiting (up to `MAX_BATCH`) and generates them together:
-prompts of like length are grouped, left-padded, and run through one greedy `generate`, whose
-attention mask and position ids leave each row's answer the one that row would get alone. A request
+prompts of like length are grouped and left-padded, the attention mask and position ids leaving
+each row's answer the one that row would get alone. Greedy decoding drops each row from the batch
+as it finishes (sampling runs through `generate`, whose batch keeps every row to the end). A request
 is rendered and generated the way `transformers serve` does it: the chat template with the
 generation prompt and the model's own generation config (greedy at temperature 0, its end-of-turn
 token). The reply is split into content, reasoning and tool calls by the tokenizer's response
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.extract.info import read_target_info
+from dflash_cache.kvcache import cache_kwargs, returned_cache
 from dflash_cache.loading_bars import no_loading_bars
 from dflash_cache.regenerate.client import RequestFailed
 from dflash_cache.regenerate.conversations import Completion
@@ -68,7 +70,7 @@ class _Replica:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], settings: GenerationSettings, model_name: str) -> list[Completion]:
-        """One greedy (or sampled) generation of every prompt, as one left-padded batch."""
+        """Every prompt answered, as one left-padded batch."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = settings.max_tokens
         config.do_sample = settings.temperature > 0
@@ -80,16 +82,45 @@ class _Replica:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                     stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
+        if config.do_sample:
+            output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                         stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
+            rows = [_until(row, stops) for row in output[:, width:].tolist()]
+        else:
+            rows = self._greedy(ids, mask, settings.max_tokens, stops)
         completions = []
-        for prompt, row in zip(prompts, output[:, width:].tolist()):
-            end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
-            generated = row[:end]  # what follows the row's end-of-turn token is padding of the batch
+        for prompt, generated in zip(prompts, rows):
             content, reasoning, tool_calls = self._parse(generated, prompt)
             finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
             completions.append(Completion(content, reasoning, tool_calls, finish, len(generated), model_name))
         return completions
+
+    def _greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int, stops: set[int]) -> list[list[int]]:
+        """Greedy decoding as `generate` does it (positions counted from each row's first real token,
+        padding masked out), except that a row that has finished leaves the batch and its cache: the
+        others no longer wait on the longest answer's steps at the full batch size."""
+        rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        alive = torch.arange(ids.shape[0], device=ids.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = returned_cache(out)
+        while True:
+            tokens = out.logits[:, -1].argmax(-1)
+            keep = []
+            for i, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist())):
+                rows[row].append(token)
+                if token not in stops and len(rows[row]) < max_new:
+                    keep.append(i)
+            if not keep or self.stop.is_set():
+                return rows
+            if len(keep) < len(alive):
+                kept = torch.tensor(keep, device=ids.device)
+                cache.batch_select_indices(kept)
+                alive, tokens, mask, positions = alive[kept], tokens[kept], mask[kept], positions[kept]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, logits_to_keep=1,
+                             **cache_kwargs(self.model, cache))
 
     def _parse(self, generated: list[int], prompt: list[int]) -> tuple[str, str | None, list[dict] | None]:
         template = getattr(self.tokenizer, "response_template", None)
@@ -113,6 +144,11 @@ class _Replica:
         reasoning = self.tokenizer.decode(generated[start:end], skip_special_tokens=True).strip()
         content = self.tokenizer.decode(generated[end + 1:], skip_special_tokens=True).strip()
         return content, reasoning or None, None
+
+
+def _until(row: list[int], stops: set[int]) -> list[int]:
+    """A generated row up to its end-of-turn token: what follows is padding of the batch."""
+    return row[:next((i + 1 for i, token in enumerate(row) if token in stops), len(row))]
 
 
 def _ids(value) -> set[int]:
