@@ -1,6 +1,6 @@
 """`regenerate`: every conversation of the data files answered again by the target, written to JSONL.
 
-    data files -> conversations not yet in the output -> a bounded queue -> N worker threads, each
+    data files (the first --limit conversations) -> conversations not yet in the output -> a bounded queue -> N worker threads, each
     regenerating one conversation at a time (one request per assistant turn, in order) -> the main
     thread appends each finished record, as one fsynced line, in the order they finish
 
@@ -45,6 +45,7 @@ class RegenerateOptions:
     concurrency: int = 64  # requests in flight (conversations being regenerated at once)
     on_error: str = "error"  # a request that keeps failing: "error" stops the run, "skip" skips its record
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    limit: int | None = None  # only the first N conversations of the data files (None: all)
 
 
 @dataclass
@@ -73,6 +74,8 @@ def _check(opts: RegenerateOptions) -> None:
         raise DFlashCacheError("--gpus is for --target; a server chooses its own GPUs")
     if opts.concurrency < 1:
         raise DFlashCacheError(f"--concurrency must be at least 1, not {opts.concurrency}")
+    if opts.limit is not None and opts.limit < 1:
+        raise DFlashCacheError(f"--limit must be at least 1, not {opts.limit}")
     if opts.on_error not in ("error", "skip"):
         raise DFlashCacheError(f"--on-error must be error or skip, not {opts.on_error!r}")
     resolved = [Path(p).resolve() for p in opts.data]
@@ -101,7 +104,7 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
     started = time.perf_counter()
     _check(opts)
     settings = opts.settings
-    sources = [job.source for job in read_jobs(opts.data)]  # reads (and checks) every record before any request
+    sources = [job.source for job in read_jobs(opts.data, opts.limit)]  # reads (and checks) every record before any request
     summary = RegenerateSummary()
     stopping = threading.Event()
     with ResponsesFile(opts.out, settings) as out:
@@ -118,7 +121,7 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
         workers = min(opts.concurrency, todo)
 
         def feed() -> None:
-            pending = (job for job in read_jobs(opts.data) if job.source not in out.done)
+            pending = (job for job in read_jobs(opts.data, opts.limit) if job.source not in out.done)
             try:
                 for item in itertools.chain(pending, [None] * workers):  # then one end mark per worker
                     while not _put(jobs, item):
