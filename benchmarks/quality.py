@@ -39,6 +39,8 @@ from pathlib import Path
 from benchmarks.real_target import build_target
 
 REPO = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+TOPK = 8  # the top-k loss's labels: the target's K most likely tokens per position
 HUMANEVAL_HELDOUT = 100  # problems from 100 on are held out; training takes from 0 to 99
 FIRST_LINE = "Complete this Python function.\n\n```python\n{}```"
 
@@ -55,7 +57,6 @@ class QualityConfig:
     regenerate_processes: int = 1  # `regenerate` processes over parts of the prompts, at once
     train_tokens: int = 400_000  # the token budget of every variant
     batch_tokens: int = 2048  # train --token-budget
-    mask_token_id: int = 0  # <|endoftext|>, the id SmolLM2's chat never writes inside a turn
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     parallel: int = 1  # variants trained and evaluated at once
@@ -68,7 +69,7 @@ class Variant:
 
     about: str
     train: tuple[str, ...] = ()
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     cache: str = "bf16"  # bf16 | fp8 | original | topk
 
 
@@ -81,12 +82,11 @@ VARIANTS = {
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),
-    "dpace": Variant("D-PACE loss", train=("--loss", "dpace")),
-    "topk": Variant("top-k distillation loss", train=("--loss", "topk"), cache="topk"),
+    "dpace": Variant("D-PACE loss (speculators 0.9.0's default)", train=("--loss", "dpace")),
+    "topk": Variant(f"distillation toward the target's top-{TOPK}", train=("--loss", "topk"), cache="topk"),
 }
 PEER = "speculators"  # speculators 0.9.0's trainer, beside ours
 EVAL_SETS = {"humaneval": "data/humaneval_heldout.jsonl", "questions": "data/questions_heldout.jsonl"}
-TOPK = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,9 +183,8 @@ def extract(config: QualityConfig, name: str) -> Path:
     options = {"fp8": ["--codec", "fp8-zstd"], "topk": ["--topk", str(TOPK)],
                # the layers of base's drafter and the last one, whose output speculators reads as the target's
                "speculators": ["--layers", ",".join(map(str, [*default_layers(config), num_layers(config) - 1]))]}
-    budget = ["--token-budget", "4096"] if config.device == "cpu" else []
     cli(config, ["extract", "--target", str(config.work / "target"), "--data", str(data), "--out", str(out),
-                 *options.get(name, []), *budget], config.work / "logs" / f"extract-{name}.log")
+                 *options.get(name, [])], config.work / "logs" / f"extract-{name}.log")
     return out
 
 
@@ -203,15 +202,20 @@ def default_layers(config: QualityConfig) -> list[int]:
 # Training and evaluation
 
 
-def drafter_file(config: QualityConfig, variant: Variant, run: Path) -> Path:
-    """The target-shaped drafter (`--drafter target`'s rule) with this variant's block and a mask token."""
-    from dflash_cache.drafter.defaults import target_drafter_config
+def drafter_option(config: QualityConfig, variant: Variant, run: Path) -> str:
+    """`target` (the default), or for another block size a drafter file of the same shape and mask token."""
+    if variant.block_size == BLOCK_SIZE:
+        return "target"
+    from dflash_cache.drafter.defaults import choose_mask_token, target_drafter_config
 
-    drafter = target_drafter_config(config.work / "target", default_layers(config), config.mask_token_id)
+    target = config.work / "target"
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    mask = choose_mask_token(target, vocab)
+    drafter = target_drafter_config(target, default_layers(config), mask.id, mask.text)
     fields = {k: v for k, v in asdict(drafter).items() if k != "preset"} | {"block_size": variant.block_size}
     path = run.parent / f"{run.name}.drafter.json"
     path.write_text(json.dumps(fields, indent=1))
-    return path
+    return str(path)
 
 
 def train_steps(config: QualityConfig) -> int:
@@ -224,11 +228,11 @@ def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: 
     if (export / "config.json").exists():
         return export
     run.parent.mkdir(parents=True, exist_ok=True)
-    drafter = drafter_file(config, variant, run)
+    drafter = drafter_option(config, variant, run)
     if run.exists():  # a run cut short: train it again from the start
         subprocess.run(["rm", "-rf", str(run)], check=True)
     steps = train_steps(config)
-    cli(config, ["train", "--cache", str(cache), "--out", str(run), "--drafter", str(drafter),
+    cli(config, ["train", "--cache", str(cache), "--out", str(run), "--drafter", drafter,
                  "--steps", str(steps), "--token-budget", str(config.batch_tokens), "--eval-every", str(steps),
                  "--save-every", str(steps), "--log-every", "50", *variant.train], config.work / "logs" / f"train-{name}.log")
     cli(config, ["export", str(run), "--out", str(export)], config.work / "logs" / f"export-{name}.log")
@@ -280,11 +284,12 @@ def speculators_export(config: QualityConfig) -> Path:
         command(config, [*python, "benchmarks.peer_speculators", "to-peer", str(extract(config, "speculators")), str(data)],
                 logs / "speculators-data.log")
     steps = train_steps(config)
+    mask = json.loads((config.work / "exports" / "base" / "config.json").read_text())["dflash_config"]["mask_token_id"]
     command(config, [*python, "speculators.train", "--speculator-type", "dflash", "--verifier-name-or-path",
                      str(config.work / "target"), "--data-path", str(data), "--save-path", str(run),
                      "--num-layers", "5", "--draft-arch", "qwen3", "--target-layer-ids", *map(str, default_layers(config)),
                      "--full-attention-indices", *map(str, range(5)),  # its default is sliding, ours (and z-lab's) full
-                     "--mask-token-id", str(config.mask_token_id), "--block-size", "16",
+                     "--mask-token-id", str(mask), "--block-size", "16",
                      "--total-seq-len", str(config.batch_tokens), "--max-steps", str(steps), "--epochs", "1000",
                      "--train-data-ratio", "0.99", "--on-missing", "raise", "--num-workers", "2",
                      # its fused Triton loss fails under torch.compile on torch 2.11 (shared/peer/README.md)
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
     parser.add_argument("--command", default=defaults.command, help="how to call the CLI")
     for name in ("train_questions", "humaneval_train", "regenerate_max_tokens", "regenerate_processes", "train_tokens", "batch_tokens",
-                 "mask_token_id", "eval_prompts", "eval_new_tokens", "parallel"):
+                 "eval_prompts", "eval_new_tokens", "parallel"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
                         f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)")
