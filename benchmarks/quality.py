@@ -308,13 +308,25 @@ def run_variant(config: QualityConfig, name: str) -> dict[str, EvalResult]:
     return evaluate(config, name, train_and_export(config, name, variant, cache))
 
 
-def table(config: QualityConfig, results: dict[str, dict[str, EvalResult]]) -> str:
+def run_or_say(config: QualityConfig, name: str) -> dict[str, EvalResult] | str:
+    """A variant's results, or why it failed (the others go on)."""
+    try:
+        return run_variant(config, name)
+    except SystemExit as e:
+        print(f"{name} failed: {e}", flush=True)
+        return str(e).splitlines()[0]
+
+
+def table(config: QualityConfig, results: dict[str, dict[str, EvalResult] | str]) -> str:
     positions = 7
     head = ["variant", "change", *[f"tau {s}" for s in EVAL_SETS], *[f"tok/fwd {s}" for s in EVAL_SETS],
             *[f"acc@{i} (he/q)" for i in range(1, positions + 1)]]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, by_set in results.items():
         cells = [name, VARIANTS[name].about if name in VARIANTS else "speculators 0.9.0's trainer at its defaults"]
+        if isinstance(by_set, str):
+            rows.append("| " + " | ".join([*cells, by_set, *[""] * (len(head) - 3)]) + " |")
+            continue
         cells += [f"{by_set[s].tau:.2f}" for s in EVAL_SETS] + [f"{by_set[s].tokens_per_forward:.2f}" for s in EVAL_SETS]
         for i in range(positions):
             cells.append("/".join(f"{r.acceptance[i]:.2f}" if i < len(r.acceptance) else "-" for r in by_set.values()))
@@ -351,13 +363,16 @@ def main(argv: list[str] | None = None) -> None:
     print("regenerate ...", flush=True)
     regenerate(config)
     for cache in dict.fromkeys(VARIANTS[v].cache for v in variants if v != PEER):
-        extract(config, cache)
+        try:
+            extract(config, cache)
+        except SystemExit as e:  # its variants fail with it, the others go on
+            print(f"cache {cache} failed: {e}", flush=True)
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
     ours = [v for v in variants if v != PEER]
     with ThreadPoolExecutor(config.parallel) as pool:
-        results = dict(zip(ours, pool.map(lambda v: run_variant(config, v), ours)))
-    if PEER in variants:  # its export takes the config of base's
-        results[PEER] = run_variant(config, PEER)
+        results = dict(zip(ours, pool.map(lambda v: run_or_say(config, v), ours)))
+    if PEER in variants and not isinstance(results.get("base"), str):  # its export takes the config of base's
+        results[PEER] = run_or_say(config, PEER)
     settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens, "
                 f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
     text = f"{settings}\n\n{table(config, results)}"
