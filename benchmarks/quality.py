@@ -188,6 +188,13 @@ def extract(config: QualityConfig, name: str) -> Path:
     return out
 
 
+def extract_or_say(config: QualityConfig, name: str) -> None:
+    try:
+        extract(config, name)
+    except SystemExit as e:  # its variants fail with it, the others go on
+        print(f"cache {name} failed: {e}", flush=True)
+
+
 def num_layers(config: QualityConfig) -> int:
     return json.loads((config.work / "target" / "config.json").read_text())["num_hidden_layers"]
 
@@ -362,11 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     prepare_data(config)
     print("regenerate ...", flush=True)
     regenerate(config)
-    for cache in dict.fromkeys(VARIANTS[v].cache for v in variants if v != PEER):
-        try:
-            extract(config, cache)
-        except SystemExit as e:  # its variants fail with it, the others go on
-            print(f"cache {cache} failed: {e}", flush=True)
+    caches = list(dict.fromkeys(PEER if v == PEER else VARIANTS[v].cache for v in variants))
+    with ThreadPoolExecutor(config.parallel) as pool:
+        list(pool.map(lambda cache: extract_or_say(config, cache), caches))
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
     ours = [v for v in variants if v != PEER]
     with ThreadPoolExecutor(config.parallel) as pool:
