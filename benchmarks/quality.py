@@ -373,11 +373,12 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(config.parallel) as pool:
         list(pool.map(lambda cache: extract_or_say(config, cache), caches))
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
-    ours = [v for v in variants if v != PEER]
-    with ThreadPoolExecutor(config.parallel) as pool:
-        results = dict(zip(ours, pool.map(lambda v: run_or_say(config, v), ours)))
-    if PEER in variants and not isinstance(results.get("base"), str):  # its export takes the config of base's
-        results[PEER] = run_or_say(config, PEER)
+    with ThreadPoolExecutor(config.parallel) as pool, ThreadPoolExecutor(1) as peer:
+        futures = {v: pool.submit(run_or_say, config, v) for v in variants if v != PEER}
+        if PEER in variants:  # beside our variants once base is exported (its export takes base's config)
+            futures[PEER] = peer.submit(lambda: run_or_say(config, PEER) if isinstance(futures["base"].result(), dict)
+                                        else "not run: base failed")
+        results = {v: future.result() for v, future in futures.items()}
     settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens, "
                 f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
     text = f"{settings}\n\n{table(config, results)}"
