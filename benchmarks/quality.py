@@ -57,6 +57,7 @@ class QualityConfig:
     regenerate_processes: int = 1  # `regenerate` processes over parts of the prompts, at once
     train_tokens: int = 400_000  # the token budget of every variant
     batch_tokens: int = 2048  # train --token-budget
+    anchors_per_batch: int = 0  # train --anchors-per-batch for every variant (0: its default); variants share a GPU
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     parallel: int = 1  # variants trained and evaluated at once
@@ -77,6 +78,7 @@ VARIANTS = {
     "base": Variant("block 16, default loss, lr and anchors, regenerated answers, bf16-zstd"),
     "block8": Variant("block 8", block_size=8),
     "anchors32": Variant("at most 32 blocks per sequence", train=("--max-anchors", "32")),
+    "anchors512": Variant("at most 512 blocks per batch (speculators' default)", train=("--anchors-per-batch", "512")),
     "lr2x": Variant("learning rate 1.2e-3 (2x)", train=("--lr", "1.2e-3")),
     "lrhalf": Variant("learning rate 3e-4 (0.5x)", train=("--lr", "3e-4")),
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
@@ -239,9 +241,10 @@ def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: 
     if run.exists():  # a run cut short: train it again from the start
         subprocess.run(["rm", "-rf", str(run)], check=True)
     steps = train_steps(config)
+    cap = ["--anchors-per-batch", str(config.anchors_per_batch)] if config.anchors_per_batch else []
     cli(config, ["train", "--cache", str(cache), "--out", str(run), "--drafter", drafter,
                  "--steps", str(steps), "--token-budget", str(config.batch_tokens), "--eval-every", str(steps),
-                 "--save-every", str(steps), "--log-every", "50", *variant.train], config.work / "logs" / f"train-{name}.log")
+                 "--save-every", str(steps), "--log-every", "50", *cap, *variant.train], config.work / "logs" / f"train-{name}.log")
     cli(config, ["export", str(run), "--out", str(export)], config.work / "logs" / f"export-{name}.log")
     return export
 
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
     parser.add_argument("--command", default=defaults.command, help="how to call the CLI")
     for name in ("train_questions", "humaneval_train", "regenerate_max_tokens", "regenerate_processes", "train_tokens", "batch_tokens",
-                 "eval_prompts", "eval_new_tokens", "parallel"):
+                 "eval_prompts", "eval_new_tokens", "parallel", "anchors_per_batch"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
                         f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)")
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             futures[PEER] = peer.submit(lambda: run_or_say(config, PEER) if isinstance(futures["base"].result(), dict)
                                         else "not run: base failed")
         results = {v: future.result() for v, future in futures.items()}
-    settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens, "
+    cap = f", at most {config.anchors_per_batch} blocks a batch" if config.anchors_per_batch else ""
+    settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens{cap}, "
                 f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
     text = f"{settings}\n\n{table(config, results)}"
     (config.work / "results" / "table.md").write_text(text + "\n")
