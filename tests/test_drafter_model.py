@@ -35,6 +35,16 @@ def test_flex_and_dense_attention_give_the_same_states():
 
 
 @torch.no_grad()
+def test_flex_attention_takes_query_groups_that_do_not_divide_its_tile():
+    """SmolLM2-135M's shape has 3 query heads per key head: 16-row tiles hold no whole groups of 3."""
+    model = make_drafter(num_attention_heads=6, num_key_value_heads=2)
+    _, _, inputs = inputs_for(LENGTHS)
+    flex = model.block_states(inputs)
+    model.attention = "dense"
+    torch.testing.assert_close(flex, model.block_states(inputs), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_a_block_sees_only_its_own_context_and_block():
     model = make_drafter()
     batch, anchors, inputs = inputs_for(LENGTHS)

@@ -11,6 +11,8 @@ Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a sta
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import torch
@@ -140,7 +142,9 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", rotary_frequencies(config.head_dim, config.rope_theta), persistent=False)
         self.head = head
         self.attention = attention
-        self.tile = tile
+        # A BlockMask tile holds whole GQA groups of query rows (masks.block_mask): 128 rows and SmolLM2's
+        # groups of 3 take 384-row tiles, still a multiple of the flex-attention kernels' blocks.
+        self.tile = math.lcm(tile, config.num_attention_heads // config.num_key_value_heads)
         self.loss_terms = chunk_terms
         self.regions_backend = None
         self.reset_parameters()
