@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dflash_cache import faults
 from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
 from dflash_cache.errors import DFlashCacheError
@@ -291,6 +292,7 @@ def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, o
                     writer.write_batch(_record_batch(kept))
                 rows += len(kept)
                 on_progress(len(kept), sum(len(s.input_ids) for s in kept))
+                faults.point("tokenize.chunk")
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
