@@ -1,5 +1,6 @@
-"""An extraction killed while it tokenizes (real processes, real signals): its tokenizer processes
-end with it and hold no lock, and the reruns proceed and clean what it left."""
+"""Faults of the tokenized data as extraction meets them: an extraction killed while it tokenizes
+(real processes, real signals), whose tokenizer processes end with it and hold no lock, the reruns
+proceeding and cleaning what it left; a kept file changed since it was written."""
 
 import os
 import signal
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_extract import extract_args
+from dflash_cache.extract.pipeline import ExtractOptions, extract
+from tests.test_extract import LAYERS, assert_same_cache, extract_args, run_extract
+from tests.test_tokenized import rewrite_ids
 from tests.tiny import build_target, write_conversations
 
 
@@ -90,3 +93,18 @@ def test_an_extraction_killed_while_tokenizing_leaves_no_process_no_lock_and_no_
         for pid in pool:  # a failing run leaves no orphan behind
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwen3_target_dir, conversations, tmp_path):
+    """The ids rewritten inside KEY.arrow (schema and row count kept) and KEY.index.npy deleted: an
+    extraction into a new --out says so, tokenizes again and makes the same cache as the first."""
+    tokenized = tmp_path / "tokenized"
+    run_extract(qwen3_target_dir, conversations, tmp_path / "first", tokenized_dir=tokenized, tokenize_workers=0)
+    [entry] = tokenized.glob("*.arrow")
+    rewrite_ids(entry, lambda sid, ids: ids[::-1].copy())
+    entry.with_suffix(".index.npy").unlink()
+    notes = []
+    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=tmp_path / "second", layers=LAYERS,
+                           token_budget=300, tokenized_dir=tokenized, tokenize_workers=0), on_note=notes.append)
+    assert notes == [f"{entry} is not the file that was written (its checksum differs); tokenizing the data again"]
+    assert_same_cache(tmp_path / "first", tmp_path / "second")

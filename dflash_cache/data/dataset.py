@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import sys
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import islice
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -200,9 +204,10 @@ def _encode_chunks(
         for chunk in chunks:
             yield [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]
         return
-    # Fork: workers start at once and inherit the tokenizer; they only tokenize, never touch CUDA.
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer, vocab_size, options)) as pool:
+    context = _pool_context(tokenizer)
+    reader, writer = context.Pipe(duplex=False)  # the workers' lifeline: only this process holds its writer
+    with reader, writer, ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                             initargs=(reader, tokenizer, vocab_size, options)) as pool:
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks in flight per worker, so memory stays bounded
             if any(isinstance(r, (JsonLine, Conversation)) for r in chunk):
@@ -216,12 +221,38 @@ def _encode_chunks(
             yield pending.popleft().result()
 
 
+def _pool_context(tokenizer) -> multiprocessing.context.BaseContext:
+    """Workers forked from a fresh server process (spawned where there is no forkserver): a forked
+    worker held this process's descriptors, among them its flocks on the cache and the tokenized
+    data, and kept them, blocking every later run, after this process was killed. The server imports
+    beforehand what each worker needs, the tokenizer's code and the program's main module (which
+    every worker imports again), so a worker costs a fork and the tokenizer's unpickling."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    main = getattr(sys.modules["__main__"], "__spec__", None)
+    context.set_forkserver_preload([__name__, type(tokenizer).__module__, *([main.name] if main else [])])
+    return context
+
+
 _worker_state: tuple | None = None
 
 
-def _init_worker(tokenizer, vocab_size: int, options: EncodeOptions) -> None:
+def _init_worker(lifeline: Connection, tokenizer, vocab_size: int, options: EncodeOptions) -> None:
     global _worker_state
     _worker_state = (tokenizer, vocab_size, options)
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
+
+
+def _exit_with_parent(lifeline: Connection) -> None:
+    """Ends the worker once the process that owns the pool has ended (its end of the pipe closes):
+    the pool's queues stay open in the workers themselves, which would otherwise wait on them for
+    ever after a SIGKILL or SIGTERM of their parent."""
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
 
 
 def _encode_in_worker(chunk: list[Record | BadRecord | JsonLine]) -> list[tuple[str, EncodedRecord | str]]:
