@@ -95,6 +95,7 @@ def test_an_extraction_killed_while_tokenizing_leaves_no_process_no_lock_and_no_
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwen3_target_dir, conversations, tmp_path):
     """The ids rewritten inside KEY.arrow (schema and row count kept) and KEY.index.npy deleted: an
     extraction into a new --out says so, tokenizes again and makes the same cache as the first."""

@@ -173,9 +173,8 @@ def test_temporary_files_of_killed_runs_are_removed_unless_their_lock_is_held(fi
     kept = [folder / f"{busy}.arrow.tmp31", folder / "notes.tmp37"]
     for path in stale + kept:
         path.write_bytes(b"partial")
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(600)",
-                               str(folder / f"{busy}.lock")], stdout=subprocess.PIPE, text=True)
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(folder / f"{busy}.lock")], stdout=subprocess.PIPE, text=True)
     try:
         holder.stdout.readline()  # it holds the lock of `busy`: a run writing it
         again = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
