@@ -107,5 +107,5 @@ def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwe
     notes = []
     extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=tmp_path / "second", layers=LAYERS,
                            token_budget=300, tokenized_dir=tokenized, tokenize_workers=0), on_note=notes.append)
-    assert notes == [f"{entry} is not the file that was written (its checksum differs); tokenizing the data again"]
     assert_same_cache(tmp_path / "first", tmp_path / "second")
+    assert notes == [f"{entry} is not the file that was written (its checksum differs); tokenizing the data again"]
