@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import chain, islice
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -200,7 +200,9 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 def _encode_chunks(
     chunks: Iterator[list[Record | BadRecord | JsonLine]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
 ) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
-    if workers <= 1:
+    head = list(islice(chunks, 2))
+    chunks = chain(head, chunks)
+    if workers <= 1 or len(head) < 2:  # one chunk: starting a pool would cost more than it saves
         for chunk in chunks:
             yield [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]
         return
