@@ -232,8 +232,11 @@ def _pool_context(tokenizer) -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
+    # A script's main module is preloaded as "__main__"; one run with -m by its name, unless it is a
+    # package's __main__, which workers do not import either.
     main = getattr(sys.modules["__main__"], "__spec__", None)
-    context.set_forkserver_preload([__name__, type(tokenizer).__module__, *([main.name] if main else [])])
+    mains = [main.name] if main and not main.name.endswith("__main__") else []
+    context.set_forkserver_preload(["__main__", *mains, __name__, type(tokenizer).__module__])
     return context
 
 
