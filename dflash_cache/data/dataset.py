@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -227,16 +226,14 @@ def _pool_context(tokenizer) -> multiprocessing.context.BaseContext:
     """Workers forked from a fresh server process (spawned where there is no forkserver): a forked
     worker held this process's descriptors, among them its flocks on the cache and the tokenized
     data, and kept them, blocking every later run, after this process was killed. The server imports
-    beforehand what each worker needs, the tokenizer's code and the program's main module (which
-    every worker imports again), so a worker costs a fork and the tokenizer's unpickling."""
+    beforehand what each worker needs, this module and the tokenizer's code, so a worker costs a
+    fork and the tokenizer's unpickling."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    # A script's main module is preloaded as "__main__"; one run with -m by its name, unless it is a
-    # package's __main__, which workers do not import either.
-    main = getattr(sys.modules["__main__"], "__spec__", None)
-    mains = [main.name] if main and not main.name.endswith("__main__") else []
-    context.set_forkserver_preload(["__main__", *mains, __name__, type(tokenizer).__module__])
+    # "__main__": a script's main module. One run with -m is imported again by each worker whatever
+    # the server holds (runpy warns of it if preloaded), cheaply once what it imports is preloaded.
+    context.set_forkserver_preload(["__main__", __name__, type(tokenizer).__module__])
     return context
 
 
