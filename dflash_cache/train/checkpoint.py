@@ -34,6 +34,7 @@ CHECKPOINT_DIR = "checkpoints"
 TRAIN_STATE = "train_state"  # .json + .safetensors
 COMPLETE = "complete.json"
 _NAME = re.compile(r"step-(\d+)")
+_DAMAGED = "the checkpoint is damaged: move its folder away to resume from the one before, or start a new run"
 
 
 def rng_state() -> dict:
@@ -123,8 +124,27 @@ def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim
     load_full_precision_weights(drafter, optimizer, weights)
     state = load_state(path, TRAIN_STATE)
     try:
+        _check_optimizer_state(state["optimizer"], optimizer, drafter, path / f"{TRAIN_STATE}.safetensors")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         return {"position": state["position"], "rng": state["rng"]}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise DFlashCacheError(f"{path}: the training state does not fit this run ({first_line(e)})") from None
+
+
+def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, drafter: torch.nn.Module, where: Path) -> None:
+    """Each saved moment has its parameter's shape and only finite values: otherwise the first step
+    failed on a shape naming no file, or its NaN loss was blamed on the data."""
+    names = {p: name for name, p in drafter.named_parameters()}
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, p in zip(saved_ids, params):
+        for key, value in saved["state"].get(saved_id, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            what = f"optimizer state {key} of {names.get(p, f'parameter {saved_id}')}"
+            if key != "step" and value.shape != p.shape:
+                raise DFlashCacheError(f"{where}: {what} is {list(value.shape)}, the parameter is {list(p.shape)}; "
+                                       f"{_DAMAGED}")
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise DFlashCacheError(f"{where}: {what} holds non-finite values; {_DAMAGED}")
