@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
 from dflash_cache.train.distributed import RankFailed
 from dflash_cache.train.train import train
+from tests.fulldisk import can_mount_tmpfs, fill_at
 from tests.test_train_helpers import (
     drafter_json,
     losses,
@@ -96,6 +97,26 @@ def test_sigkill_of_one_rank_ends_every_rank_promptly(setup, tmp_path):
     assert not thread.is_alive() and time.monotonic() - killed < 30
     assert isinstance(outcome[0], RankFailed) and "died" in str(outcome[0]), outcome
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_full_disk_while_a_checkpoint_is_written_names_the_run_and_resumes_equal(setup, tmp_path):
+    """It was a bare `SafetensorError: ... No space left on device` without the run folder or --resume."""
+    if not can_mount_tmpfs():
+        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
+    cache, drafter, whole = setup
+    disk = tmp_path / "disk"
+    run = disk / "run"
+    command = train_args(cache, drafter, run)
+    first, then = fill_at("train.step:4", command, [*command, "--resume"], disk, tmp_path)
+    error = first.stderr.strip().splitlines()[-1]
+    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-2000:]
+    assert error.startswith(f"error: writing {run / 'checkpoints' / 'step-4'} failed: No space left on device; "
+                            f"free space in {run / 'checkpoints'} (0.0 MB free now)"), error
+    assert "rerun the same train command with --resume" in error, error
+    assert sorted(p.name for p in (tmp_path / "after-first" / "run" / "checkpoints").iterdir()) == ["step-2"]
+    assert then.returncode == 0, then.stderr[-2000:]
+    assert losses(tmp_path / "after-then" / "run") == whole
 
 
 def first_exp_avg(checkpoint):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
@@ -29,6 +30,7 @@ from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.store.shard import fsync_dir
 from dflash_cache.train.optim import full_precision_weights, load_full_precision_weights
 from dflash_cache.train.state_io import load_state, save_state
+from dflash_cache.write_errors import write_failed
 
 CHECKPOINT_DIR = "checkpoints"
 TRAIN_STATE = "train_state"  # .json + .safetensors
@@ -71,14 +73,19 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
-    save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
-    faults.point("checkpoint.write")
-    (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
-    _fsync_tree(tmp)
     final = root / f"step-{step}"
+    try:
+        tmp.mkdir()
+        save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
+        save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
+        faults.point("checkpoint.write")
+        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        _fsync_tree(tmp)
+    except (OSError, SafetensorError) as e:  # a full disk: the half-written folder goes, the last complete one stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(final, root, e, "rerun the same train command with --resume to continue from the last "
+                                           "complete checkpoint") from None
     if final.exists():  # a resumed run saving a step that an earlier attempt also saved
         shutil.rmtree(final)
     os.replace(tmp, final)
