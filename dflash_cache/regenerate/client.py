@@ -53,14 +53,14 @@ def api_base(url: str) -> str:
 
 class ServerPool:
     def __init__(self, urls: list[str], concurrency: int, retry: RetryPolicy = RetryPolicy(),
-                 stopping: threading.Event | None = None, limits: AnswerLimits = AnswerLimits()):
+                 stopping: threading.Event | None = None, limits: AnswerLimits | None = None):
         if not urls:
             raise DFlashCacheError("give at least one --server")
         self.urls = [api_base(url) for url in urls]
         if len(set(self.urls)) != len(self.urls):
             raise DFlashCacheError("a --server URL is given twice")
         self.retry = retry
-        self.limits = limits
+        self.limits = limits or AnswerLimits()
         self.stopping = stopping or threading.Event()
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
         self._http = httpx.Client(timeout=TIMEOUT, limits=limits)
