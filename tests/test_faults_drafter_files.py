@@ -8,7 +8,6 @@ import struct
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
@@ -16,6 +15,7 @@ from dflash_cache.drafter.export import export_checkpoint
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.drafters import read_drafter
+from dflash_cache_cli.main import main
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99, num_target_layers=6)

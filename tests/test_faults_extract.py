@@ -87,6 +87,7 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
     running extraction (they advised to "rerun the same extract command", which the lock refuses);
     the extraction, let go on, ends with the same cache as an uninterrupted run."""
     from click.testing import CliRunner
+
     from dflash_cache_cli.main import main
     from tests.test_train_helpers import drafter_json
 

@@ -16,7 +16,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.data.readers import read_records
 from dflash_cache.errors import DFlashCacheError
@@ -24,6 +23,7 @@ from dflash_cache.regenerate.answers import AnswerLimits
 from dflash_cache.regenerate.client import RetryPolicy
 from dflash_cache.regenerate.run import RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import GenerationSettings
+from dflash_cache_cli.main import main
 from tests.chatservers import write_jsonl
 
 FAST = RetryPolicy(attempts=2, first_delay_s=0.01, max_delay_s=0.02)

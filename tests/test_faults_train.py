@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 from safetensors.torch import load_file, save_file
 
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
 from dflash_cache.train.distributed import RankFailed
 from dflash_cache.train.train import train
+from dflash_cache_cli.main import main
 from tests.fulldisk import can_mount_tmpfs, fill_at
 from tests.test_train_helpers import (
     drafter_json,

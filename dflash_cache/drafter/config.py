@@ -99,7 +99,7 @@ class DrafterConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "DrafterConfig":
+    def from_dict(cls, values: dict) -> DrafterConfig:
         if not isinstance(values, dict):
             raise DFlashCacheError(f"a drafter config must be a JSON object, not {type(values).__name__}.")
         known = {f.name for f in fields(cls)}

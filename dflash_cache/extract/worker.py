@@ -26,10 +26,9 @@ import torch
 from dflash_cache import faults
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.write_errors import write_failed
+from dflash_cache.extract.batch import Layout, to_device
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.batch import Layout, to_device
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
@@ -39,7 +38,7 @@ from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
-
+from dflash_cache.write_errors import write_failed
 
 GIL_SWITCH_S = 0.0002
 
