@@ -74,7 +74,7 @@ def test_an_extraction_killed_while_tokenizing_leaves_no_process_no_lock_and_no_
         assert pool, "the extraction tokenizes in a process pool"
         first.send_signal(sig)
         first.send_signal(signal.SIGCONT)  # a stopped process takes SIGTERM when it goes on
-        assert first.wait(timeout=60) == -sig
+        assert first.wait(timeout=60) in (-sig, 128 + sig)  # killed, or ended by the CLI's own handler
         deadline = time.monotonic() + 30
         while {p for p in pool if running(p)} and time.monotonic() < deadline:
             time.sleep(0.1)

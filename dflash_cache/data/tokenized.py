@@ -267,7 +267,7 @@ def _check_ids(batch: pa.RecordBatch, vocab_size: int, path: Path) -> None:
             try:
                 tokenize.check_token_ids(ids[row].values.to_numpy(), vocab_size)
             except DFlashCacheError as e:
-                raise DFlashCacheError(f"{path}: sample {batch.column(0)[row]}: {e}; delete the file and rerun") from None
+                raise DFlashCacheError(f"{path}: sample {batch.column(0)[row].as_py()}: {e}; delete the file and rerun") from None
 
 
 def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
