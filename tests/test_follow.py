@@ -1,0 +1,126 @@
+"""`train --follow` beside a real, slowed extraction: training starts before the extraction ends,
+trains on every sample once in the first epoch, resumes after SIGKILL with the same losses, and
+waits (saying so) for a killed extraction until it is run again."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_cache import open_cache
+from dflash_cache.store.verify import verify_cache
+from dflash_cache_cli.main import main
+from tests.test_extract import cli, extract_args
+from tests.test_train_helpers import drafter_json, losses, metrics
+from tests.tiny import build_target, write_conversations
+
+SLOW = {"DFLASH_CACHE_DELAY_AT": "shard.committed:1.5"}  # an extraction committing a shard every 1.5 s or more
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("follow")
+    target = build_target(root / "target", "qwen3")
+    data = write_conversations(root / "data.jsonl", count=24, seed=3)
+    drafter = drafter_json(root / "d.json", hidden_size=64, vocab_size=384, mask_token_id=383, target_layer_ids=[1, 4])
+    return target, data, drafter
+
+
+def train_args(cache, drafter, out, *extra):
+    return ["train", "--follow", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS,
+            "--save-every", 3, "--token-budget", 96, "--max-anchors", 4, "--eval-fraction", 0, "--workers", 2, *extra]
+
+
+class Lines:
+    """A process's stdout, read line by line on a thread."""
+
+    def __init__(self, proc):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, text: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline, f"never printed {text!r}:\n" + "".join(self.lines[-20:])
+            time.sleep(0.2)
+
+
+def first_epoch_tokens(run) -> int:
+    return sum(r["tokens"] for r in metrics(run) if "loss" in r and r["epoch"] == 0)
+
+
+def follow(setup, tmp_path, train_env=None):
+    """An extraction (slowed) and a following training run started at once; returns (cache, run,
+    whether a step was logged while the extraction was still running)."""
+    target, data, drafter = setup
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    extraction = cli(*extract_args(target, data, cache), env=SLOW)
+    training = cli(*train_args(cache, drafter, run), env=train_env)
+    early = False
+    while extraction.poll() is None:
+        early = early or ((run / "metrics.jsonl").is_file() and bool(losses(run)))
+        time.sleep(0.2)
+    assert extraction.returncode == 0, extraction.communicate()[1][-2000:]
+    _, training.err = training.communicate(timeout=300)
+    return cache, run, training, early
+
+
+@pytest.mark.slow
+def test_following_trains_before_the_end_and_every_sample_once(setup, tmp_path):
+    cache, run, training, early = follow(setup, tmp_path)
+    assert training.returncode == 0, training.err[-2000:]
+    assert early  # a step was logged before the extraction ended
+    finished = open_cache(cache)
+    assert len(finished.shards) >= 4
+    consumed = [json.loads(line)["shard"] for line in (run / "follow.jsonl").read_text().splitlines()]
+    assert sorted(consumed) == sorted(s.path for s in finished.shards) and len(set(consumed)) == len(consumed)
+    # Every sample's tokens once in epoch 0 (eval fraction 0, one rank): the manifest's total.
+    assert first_epoch_tokens(run) == finished.manifest["totals"]["tokens"]
+    assert [r["epoch"] for r in metrics(run) if "loss" in r][-1] >= 1  # and on into the ordinary second epoch
+    assert verify_cache(finished).rows == finished.manifest["totals"]["samples"] == 24
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, tmp_path):
+    _, whole, _, _ = follow(setup, tmp_path / "whole")
+    cache, run, killed, _ = follow(setup, tmp_path / "killed", train_env={"DFLASH_CACHE_KILL_AT": "train.step:5"})
+    assert killed.returncode == -signal.SIGKILL
+    drafter = setup[2]
+    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])
+    assert result.exit_code == 0, result.output
+    assert losses(run) == losses(whole) and len(losses(whole)) == STEPS
+    assert (run / "follow.jsonl").read_text() == (whole / "follow.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup, tmp_path):
+    target, data, drafter = setup
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    first = cli(*extract_args(target, data, cache), env={**SLOW, "DFLASH_CACHE_KILL_AT": "shard.committed:2"})
+    training = cli(*train_args(cache, drafter, run))
+    out = Lines(training)
+    first.communicate(timeout=300)
+    assert first.returncode == -signal.SIGKILL
+    out.wait_for("no extraction is running on it (killed or failed?): rerun the same extract command")
+    assert training.poll() is None  # waiting, not failed
+
+    timed = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main",
+                            *map(str, train_args(cache, drafter, tmp_path / "other", "--follow-timeout", 2))],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert timed.returncode == 1 and timed.stderr.count("\n") == 1, timed.stderr
+    assert f"--follow: nothing new in {cache} for 2 s" in timed.stderr and "no extraction is running" in timed.stderr
+
+    second = cli(*extract_args(target, data, cache))
+    assert second.wait(timeout=300) == 0, second.communicate()[1][-2000:]
+    assert training.wait(timeout=300) == 0, training.communicate()[1][-2000:]
+    out.thread.join(timeout=30)
+    finished = open_cache(cache)
+    assert first_epoch_tokens(run) == finished.manifest["totals"]["tokens"]
+    assert verify_cache(finished).rows == 24
