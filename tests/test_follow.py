@@ -20,7 +20,7 @@ from tests.test_train_helpers import drafter_json, losses, metrics
 from tests.tiny import build_target, write_conversations
 
 SLOW = {"DFLASH_CACHE_DELAY_AT": "shard.committed:1.5"}  # an extraction committing a shard every 1.5 s or more
-STEPS = 40
+STEPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
 
 def train_args(cache, drafter, out, *extra):
     return ["train", "--follow", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS,
-            "--save-every", 3, "--token-budget", 96, "--max-anchors", 4, "--eval-fraction", 0, "--workers", 2, *extra]
+            "--save-every", 3, "--token-budget", 512, "--grad-accum", 2, "--max-anchors", 4, "--eval-fraction", 0, "--workers", 2, *extra]
 
 
 class Lines:
