@@ -3,6 +3,7 @@ trains on every sample once in the first epoch, resumes after SIGKILL with the s
 waits (saying so) for a killed extraction until it is run again."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,9 +33,10 @@ def setup(tmp_path_factory):
     return target, data, drafter
 
 
-def train_args(cache, drafter, out, *extra):
+def train_args(cache, drafter, out, *extra, grad_accum=2):
     return ["train", "--follow", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS,
-            "--save-every", 3, "--token-budget", 512, "--grad-accum", 2, "--max-anchors", 4, "--eval-fraction", 0, "--workers", 2, *extra]
+            "--save-every", 3, "--token-budget", 512, "--grad-accum", grad_accum, "--max-anchors", 4, "--eval-fraction", 0,
+            "--workers", 2, *extra]
 
 
 class Lines:
@@ -56,13 +58,16 @@ def first_epoch_tokens(run) -> int:
     return sum(r["tokens"] for r in metrics(run) if "loss" in r and r["epoch"] == 0)
 
 
-def follow(setup, tmp_path, train_env=None):
+def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2):
     """An extraction (slowed) and a following training run started at once; returns (cache, run,
-    whether a step was logged while the extraction was still running)."""
+    the training process, whether a step was logged while the extraction was still running)."""
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
     extraction = cli(*extract_args(target, data, cache), env=SLOW)
-    training = cli(*train_args(cache, drafter, run), env=train_env)
+    training = subprocess.Popen([sys.executable, "-m", *launcher, "dflash_cache_cli.main",
+                                 *map(str, train_args(cache, drafter, run, grad_accum=grad_accum))],
+                                env={**os.environ, **(train_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     early = False
     while extraction.poll() is None:
         early = early or ((run / "metrics.jsonl").is_file() and bool(losses(run)))
@@ -124,3 +129,15 @@ def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup
     finished = open_cache(cache)
     assert first_epoch_tokens(run) == finished.manifest["totals"]["tokens"]
     assert verify_cache(finished).rows == 24
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(setup, tmp_path):
+    _, one, single, _ = follow(setup, tmp_path / "one", grad_accum=2)
+    assert single.returncode == 0, single.err[-2000:]
+    launcher = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m")
+    _, two, ranks, early = follow(setup, tmp_path / "two", launcher=launcher, grad_accum=1)
+    assert ranks.returncode == 0, ranks.err[-3000:]
+    assert early and json.loads((two / "run.json").read_text())["world_size"] == 2
+    assert (two / "follow.jsonl").read_text() == (one / "follow.jsonl").read_text()
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5) and len(losses(one)) == STEPS

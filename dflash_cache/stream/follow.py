@@ -29,12 +29,20 @@ from dflash_cache.data.plan import plan_batches, shard_for_rank
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.lock import FolderLock
 from dflash_cache.store.cache import Cache
-from dflash_cache.store.manifest import MANIFEST, JournalState, _check_width, read_journals, read_manifest
+from dflash_cache.store.manifest import (
+    MANIFEST,
+    JournalState,
+    _check_width,
+    read_journals,
+    read_manifest,
+    shard_record,
+)
 from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.remote import is_remote, local_path
 from dflash_cache.store.shard import ShardRecord
 from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
+from dflash_cache.train.distributed import all_gather_objects, is_first_rank
 
 FOLLOW_FILE = "follow.jsonl"  # in the run folder: the shards of the first epoch, in the order consumed
 POLL_S = 0.5
@@ -60,18 +68,32 @@ class Waiter:
                 "this run goes on when it commits shards")
 
     def wait(self, what: str, ready: Callable[[], T | None]) -> T:
+        """`ready()`'s first value that is not None. Under several ranks, rank 0 alone calls it (and keeps the
+        time) and every rank takes its answer, so all of them see the same shards in the same order."""
         start = said = time.monotonic()
         first = True
-        while (value := ready()) is None:
+        while True:
+            outcome = None
+            if is_first_rank():
+                try:
+                    value = ready()
+                    if value is not None:
+                        outcome = ("ok", value)
+                    elif self.timeout_s is not None and time.monotonic() - start >= self.timeout_s:
+                        outcome = ("error", f"--follow: nothing new in {self.root} for {self.timeout_s:g} s ({what}); "
+                                            f"{self.extraction()}; resume training with --resume once it does")
+                except DFlashCacheError as e:
+                    outcome = ("error", str(e))
+            outcome = all_gather_objects(outcome)[0]
+            if outcome is not None:
+                if outcome[0] == "error":
+                    raise DFlashCacheError(outcome[1])
+                return outcome[1]
             now = time.monotonic()
-            if self.timeout_s is not None and now - start >= self.timeout_s:
-                raise DFlashCacheError(f"--follow: nothing new in {self.root} for {self.timeout_s:g} s ({what}); "
-                                       f"{self.extraction()}; resume training with --resume once it does")
             if self.echo is not None and (first or now - said >= STATUS_EVERY_S):
                 self.echo(f"following {self.root}: {what}; {self.extraction()}")
                 said, first = now, False
             time.sleep(POLL_S)
-        return value
 
 
 class FollowedCache(CacheSet):
@@ -134,19 +156,19 @@ class FollowPlan:
     """The epoch plan of a following run (see the module's docstring); `EpochPlan`'s interface in parts."""
 
     def __init__(self, caches: FollowedCache, run_dir: Path, token_budget: int, seed: int, world: int,
-                 grad_accum: int, eval_fraction: float, waiter: Waiter, writes_record: bool):
+                 grad_accum: int, eval_fraction: float, waiter: Waiter):
+        """Rank 0 decides which shard comes next and keeps the record (the other ranks take its answers)."""
         self.caches = caches
         self.record = Path(run_dir) / FOLLOW_FILE
         self.token_budget, self.seed, self.world, self.grad_accum = token_budget, seed, world, grad_accum
         self.eval_fraction = eval_fraction
         self.waiter = waiter
-        self.writes_record = writes_record
         self.parts: list[Part] = []
         self.consumed: list[str] = []
         self.carry: list[int] = []  # train keys of the first epoch not in a batch yet
         self.train_keys: list[int] = []
         self.whole: EpochPlan | None = None
-        self.replay = self._read_record()
+        self.replay = self._read_record() if is_first_rank() else []
 
     def _read_record(self) -> list[str]:
         if not self.record.is_file():
@@ -159,7 +181,7 @@ class FollowPlan:
         return paths
 
     def _append_record(self, path: str) -> None:
-        if not self.writes_record:
+        if not is_first_rank():
             return
         with open(self.record, "a") as f:
             f.write(json.dumps({"shard": path}) + "\n")
@@ -194,17 +216,17 @@ class FollowPlan:
         return self.whole
 
     def _next_part(self) -> None:
-        path = self.waiter.wait(f"consumed {len(self.consumed)} shard(s) ({len(self.caches)} samples), waiting for the next "
-                                "one to be committed", self._next_shard)
+        entry = self.waiter.wait(f"consumed {len(self.consumed)} shard(s) ({len(self.caches)} samples), waiting for the "
+                                 "next one to be committed", self._next_shard)
         offset = self.parts[-1].offset + len(self.parts[-1].batches) if self.parts else 0
-        if path == "":  # the manifest lists nothing more: the left-over samples end the epoch
+        if entry == "":  # the manifest lists nothing more: the left-over samples end the epoch
             self.parts.append(Part(self._last_batches(), offset, True))
             return
-        shard = self._committed[path]
+        shard = shard_record(entry)
         keys = self.caches.add(shard)
-        if path not in self.replay[len(self.consumed):len(self.consumed) + 1]:
-            self._append_record(path)
-        self.consumed.append(path)
+        if shard.path not in self.replay[len(self.consumed):len(self.consumed) + 1]:
+            self._append_record(shard.path)
+        self.consumed.append(shard.path)
         train = [k for k in keys if not is_held_out(self.caches.sample_id(k), self.eval_fraction)]
         self.train_keys += train
         pool = self.carry + train
@@ -217,24 +239,25 @@ class FollowPlan:
     def step_batches(self) -> int:
         return self.world * self.grad_accum
 
-    def _next_shard(self) -> str | None:
-        """The next shard to consume (the record's, when resuming), "" when every shard has been, or None (wait)."""
-        self._committed = self.caches.committed()
-        done = set(self.consumed)
+    def _next_shard(self) -> dict | str | None:
+        """The journal entry of the next shard to consume (the record's, when resuming), "" when every shard
+        has been, or None (wait)."""
+        committed = self.caches.committed()
         if len(self.consumed) < len(self.replay):
             path = self.replay[len(self.consumed)]
-            if path not in self._committed:
+            if path not in committed:
                 raise DFlashCacheError(f"{self.record} lists {path}, which no journal of {self.caches.root} lists: the cache "
                                        "is not the one this run followed; start a new run")
-            return path
-        new = [p for p in self._committed if p not in done]
-        if new:
-            return min(new, key=_commit_rank)
+            return committed[path].__dict__
+        done = set(self.consumed)
+        if new := [p for p in committed if p not in done]:
+            return committed[min(new, key=_commit_rank)].__dict__
         finished = self.caches.finished_shards()
         if finished is None:
             return None
-        if missing := finished - done:
-            return min(missing, key=_commit_rank) if missing <= set(self._committed) else None
+        if finished - done:  # the manifest is built from the journals: a shard it lists is in them
+            raise DFlashCacheError(f"{self.caches.root}: {MANIFEST} lists shards no journal lists; rerun the same extract "
+                                   "command to rebuild it")
         return ""
 
     def _last_batches(self) -> list[list[int]]:

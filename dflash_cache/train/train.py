@@ -129,8 +129,6 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
     source, drafter config, split, plan, then the run folder. Returns the steps of each epoch
     counted, for the ranks not to plan every epoch again (None when there is nothing to do: a
     resumed run that is already finished), and the run folder's lock, to hold for the whole run."""
-    if cfg.follow and world > 1:
-        raise DFlashCacheError(f"--follow trains on one process; got {world} ranks (pass one GPU to --gpus)")
     source = open_source(cfg, echo=echo)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
@@ -167,7 +165,7 @@ def make_plan(cfg: TrainConfig, source: Source, train_keys: list[int], world: in
     """The run's epoch plan: the ordinary one, or one whose first epoch follows the cache (`--follow`)."""
     if isinstance(source, FollowSource):
         return FollowPlan(source.followed, Path(cfg.out), cfg.token_budget, cfg.seed, world, cfg.grad_accum,
-                          cfg.eval_fraction, source.waiter, writes_record=echo is not None)
+                          cfg.eval_fraction, source.waiter)
     return EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum, epoch_steps)
 
 
