@@ -5,6 +5,7 @@ waits (saying so) for a killed extraction until it is run again."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -58,9 +59,10 @@ def first_epoch_tokens(run) -> int:
     return sum(r["tokens"] for r in metrics(run) if "loss" in r and r["epoch"] == 0)
 
 
-def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2):
+def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2, during=None):
     """An extraction (slowed) and a following training run started at once; returns (cache, run,
-    the training process, whether a step was logged while the extraction was still running)."""
+    the training process, whether a step was logged while the extraction was still running).
+    `during(cache)` is called once then."""
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
     extraction = cli(*extract_args(target, data, cache), env=SLOW)
@@ -70,7 +72,10 @@ def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2):
                                 text=True)
     early = False
     while extraction.poll() is None:
-        early = early or ((run / "metrics.jsonl").is_file() and bool(losses(run)))
+        if not early and (run / "metrics.jsonl").is_file() and losses(run):
+            early = True
+            if during is not None:
+                during(cache, extraction)
         time.sleep(0.2)
     assert extraction.returncode == 0, extraction.communicate()[1][-2000:]
     _, training.err = training.communicate(timeout=300)
@@ -79,9 +84,18 @@ def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2):
 
 @pytest.mark.slow
 def test_following_trains_before_the_end_and_every_sample_once(setup, tmp_path):
-    cache, run, training, early = follow(setup, tmp_path)
+    refused = []
+
+    def other_readers_refuse(cache, extraction):
+        running = f"is being written by pid {extraction.pid} on {socket.gethostname()} (an extraction that has not finished)"
+        for args in (["inspect", cache], ["verify", cache]):
+            result = CliRunner().invoke(main, [str(a) for a in args])
+            refused.append(result.exit_code == 1 and running in result.stderr)
+
+    cache, run, training, early = follow(setup, tmp_path, during=other_readers_refuse)
     assert training.returncode == 0, training.err[-2000:]
     assert early  # a step was logged before the extraction ended
+    assert refused == [True, True]  # meanwhile readers without --follow refused the cache
     finished = open_cache(cache)
     assert len(finished.shards) >= 4
     consumed = [json.loads(line)["shard"] for line in (run / "follow.jsonl").read_text().splitlines()]
@@ -141,3 +155,16 @@ def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(set
     assert early and json.loads((two / "run.json").read_text())["world_size"] == 2
     assert (two / "follow.jsonl").read_text() == (one / "follow.jsonl").read_text()
     assert losses(two) == pytest.approx(losses(one), rel=1e-5) and len(losses(one)) == STEPS
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--follow"], "--follow needs --steps"),
+    (["--follow", "--steps", 2, "--compile"], "--follow trains eagerly"),
+    (["--steps", 2, "--follow-timeout", 5], "--follow-timeout applies only with --follow"),
+    (["--follow", "--steps", 2, "--follow-timeout", 0], "--follow-timeout must be positive"),
+])
+def test_follow_options_are_checked_first(tmp_path, extra, message):
+    result = CliRunner().invoke(main, [str(a) for a in ["train", "--cache", tmp_path / "cache", "--out", tmp_path / "run",
+                                                          *extra]])
+    assert result.exit_code == 1 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "run").exists()
