@@ -106,10 +106,19 @@ def test_following_trains_before_the_end_and_every_sample_once(setup, tmp_path):
     assert verify_cache(finished).rows == finished.manifest["totals"]["samples"] == 24
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(setup, tmp_path_factory):
+    _, whole, training, _ = follow(setup, tmp_path_factory.mktemp("whole"))
+    assert training.returncode == 0, training.err[-2000:]
+    return whole
+
+
 @pytest.mark.slow
-def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, tmp_path):
-    _, whole, _, _ = follow(setup, tmp_path / "whole")
-    cache, run, killed, _ = follow(setup, tmp_path / "killed", train_env={"DFLASH_CACHE_KILL_AT": "train.step:5"})
+@pytest.mark.parametrize("kill_at", ["train.step:5", "train.step:14"])  # in the followed first epoch, in the second
+def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, uninterrupted, tmp_path, kill_at):
+    whole = uninterrupted
+    assert [r["epoch"] for r in metrics(whole) if "loss" in r][13] == 1
+    cache, run, killed, _ = follow(setup, tmp_path / "killed", train_env={"DFLASH_CACHE_KILL_AT": kill_at})
     assert killed.returncode == -signal.SIGKILL
     drafter = setup[2]
     result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])

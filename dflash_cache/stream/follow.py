@@ -168,6 +168,8 @@ class FollowPlan:
         self.carry: list[int] = []  # train keys of the first epoch not in a batch yet
         self.train_keys: list[int] = []
         self.whole: EpochPlan | None = None
+        self.epoch_steps: dict[int, int] = {}  # unknown before the first epoch ends
+        self._committed: dict[str, ShardRecord] = {}
         self.replay = self._read_record() if is_first_rank() else []
 
     def _read_record(self) -> list[str]:
@@ -202,8 +204,9 @@ class FollowPlan:
         """This rank's batches of part `part` of `epoch`, the plan position of the part's first batch,
         and whether it is the epoch's last part. Waits for the extraction in the first epoch."""
         if epoch > 0:
-            plan = self._whole()
-            return plan.rank_batches(epoch, rank), 0, True
+            while not (self.parts and self.parts[-1].last):  # a run resumed past the first epoch replays its record
+                self._next_part()
+            return self._whole().rank_batches(epoch, rank), 0, True
         while part >= len(self.parts):
             self._next_part()
         p = self.parts[part]
@@ -242,17 +245,19 @@ class FollowPlan:
     def _next_shard(self) -> dict | str | None:
         """The journal entry of the next shard to consume (the record's, when resuming), "" when every shard
         has been, or None (wait)."""
-        committed = self.caches.committed()
         if len(self.consumed) < len(self.replay):
             path = self.replay[len(self.consumed)]
-            if path not in committed:
+            if path not in self._committed:  # the journals are read again only for a shard not seen yet
+                self._committed = self.caches.committed()
+            if path not in self._committed:
                 raise DFlashCacheError(f"{self.record} lists {path}, which no journal of {self.caches.root} lists: the cache "
                                        "is not the one this run followed; start a new run")
-            return committed[path].__dict__
+            return self._committed[path].__dict__
+        finished = self.caches.finished_shards()  # before the journals: once it exists, they list every shard
+        committed = self._committed = self.caches.committed()
         done = set(self.consumed)
         if new := [p for p in committed if p not in done]:
             return committed[min(new, key=_commit_rank)].__dict__
-        finished = self.caches.finished_shards()
         if finished is None:
             return None
         if finished - done:  # the manifest is built from the journals: a shard it lists is in them

@@ -157,7 +157,7 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
             echo(f"resuming from {checkpoint} (step {done} of {total})")
     finally:
         source.close()
-    return getattr(plan, "epoch_steps", {}), lock
+    return plan.epoch_steps, lock
 
 
 def make_plan(cfg: TrainConfig, source: Source, train_keys: list[int], world: int,
