@@ -10,9 +10,10 @@ the whole steps among them are trained on. That order is appended to the run fol
 same batches. Once the manifest exists and every shard it lists has been consumed, what is left
 over is the last part, and from the second epoch on the plan is the ordinary one over every sample.
 
-While nothing new is committed, the run waits, saying every `STATUS_EVERY_S` seconds whether an
-extraction holds the cache (its lock names its process) or none does (it was killed or failed:
-rerun it); `--follow-timeout` bounds the wait.
+While nothing new is committed, the run waits, saying after `FIRST_STATUS_S` seconds and then every
+`STATUS_EVERY_S` seconds whether an extraction holds the cache (its lock names its process) or none
+does (it was killed or failed: rerun it); `--follow-timeout` bounds the wait. Under several ranks,
+rank 0 alone looks at the cache and the clock, and every rank takes its answer each poll.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from dflash_cache.train.distributed import all_gather_objects, is_first_rank
 FOLLOW_FILE = "follow.jsonl"  # in the run folder: the shards of the first epoch, in the order consumed
 POLL_S = 0.5
 STATUS_EVERY_S = 30.0
+FIRST_STATUS_S = 5.0  # a wait shorter than this (the next shard on its way) says nothing
 
 Echo = Callable[[str], None]
 T = TypeVar("T")
@@ -70,8 +72,8 @@ class Waiter:
     def wait(self, what: str, ready: Callable[[], T | None]) -> T:
         """`ready()`'s first value that is not None. Under several ranks, rank 0 alone calls it (and keeps the
         time) and every rank takes its answer, so all of them see the same shards in the same order."""
-        start = said = time.monotonic()
-        first = True
+        start = time.monotonic()
+        said = start - STATUS_EVERY_S + FIRST_STATUS_S
         while True:
             outcome = None
             if is_first_rank():
@@ -90,9 +92,9 @@ class Waiter:
                     raise DFlashCacheError(outcome[1])
                 return outcome[1]
             now = time.monotonic()
-            if self.echo is not None and (first or now - said >= STATUS_EVERY_S):
+            if self.echo is not None and now - said >= STATUS_EVERY_S:
                 self.echo(f"following {self.root}: {what}; {self.extraction()}")
-                said, first = now, False
+                said = now
             time.sleep(POLL_S)
 
 
