@@ -159,11 +159,12 @@ def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(set
     _, one, single, _ = follow(setup, tmp_path / "one", grad_accum=2)
     assert single.returncode == 0, single.err[-2000:]
     launcher = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m")
-    _, two, ranks, early = follow(setup, tmp_path / "two", launcher=launcher, grad_accum=1)
+    cache, two, ranks, early = follow(setup, tmp_path / "two", launcher=launcher, grad_accum=1)
     assert ranks.returncode == 0, ranks.err[-3000:]
     assert early and json.loads((two / "run.json").read_text())["world_size"] == 2
     assert (two / "follow.jsonl").read_text() == (one / "follow.jsonl").read_text()
     assert losses(two) == pytest.approx(losses(one), rel=1e-5) and len(losses(one)) == STEPS
+    assert first_epoch_tokens(two) == first_epoch_tokens(one) == open_cache(cache).manifest["totals"]["tokens"]
 
 
 @pytest.mark.parametrize("extra, message", [
