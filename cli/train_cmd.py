@@ -100,9 +100,15 @@ from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 @click.option("--max-open-shards", type=int, default=DEFAULT_MAX_OPEN_SHARDS, show_default=True,
               help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
                    "and one memory map each, whatever the number of shards.")
+@click.option("--follow", is_flag=True,
+              help="Start while the cache is still being extracted: the first epoch trains on each shard once it is "
+                   "committed, waiting for the next one (and saying so); later epochs use the whole cache. Needs --steps.")
+@click.option("--follow-timeout", type=float,
+              help="With --follow: stop with an error after this many seconds without a new shard. Default: wait on.")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
             grad_accum, max_anchors, anchors_per_batch, gamma, labels, loss, dpace_alpha, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
-            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):
+            seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards,
+            follow, follow_timeout):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
     With --live-target instead of --cache, the target runs beside the drafter and computes each batch
@@ -124,7 +130,7 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
         skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,
         local_cache_bytes=None if local_cache_size is None else int(local_cache_size * (1 << 30)),
-        max_open_shards=max_open_shards,
+        max_open_shards=max_open_shards, follow=follow, follow_timeout_s=follow_timeout,
     )
     from dflash_cache.train.train import train
 

@@ -69,25 +69,24 @@ class Cache:
     """A complete cache. Opening reads only the manifest; rows are read one record batch at a time."""
 
     def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 pool: ShardPool | None = None, verify_shards: bool = False):
+                 pool: ShardPool | None = None, verify_shards: bool = False, manifest: dict | None = None):
         """`pool`: the open shard readers, shared between caches read together (default: one of its own);
-        `verify_shards`: each shard's sha256 is verified on first read (see above)."""
+        `verify_shards`: each shard's sha256 is verified on first read (see above); `manifest`: what to
+        read instead of manifest.json (a cache followed while it is written: its committed shards so far,
+        stream/follow.py), its shards then added by `add_shards`."""
         self.remote = RemoteDir(str(root)) if is_remote(root) else None
         self.root: Path | str = self.remote.url if self.remote else local_path(root)
-        self.manifest = read_remote_manifest(self.remote) if self.remote else read_manifest(self.root)
+        if manifest is None:
+            manifest = read_remote_manifest(self.remote) if self.remote else read_manifest(self.root)
+        self.manifest = manifest
         self.spec: dict = self.manifest["spec"]
-        self.shards: list[ShardRecord] = self.manifest["shards"]
+        self.shards: list[ShardRecord] = []
         self.codec: str = self.spec["codec"]
         self.width: int = len(self.spec["layer_ids"]) * self.spec["target"]["hidden_size"]
         self._where: dict[int, tuple[int, int]] = {}
         self._lengths: dict[int, int] = {}
         self._by_record: dict[str, int | list[int]] | None = None  # built on first use: training needs none
-        for s, shard in enumerate(self.shards):
-            for r, (sid, n) in enumerate(zip(shard.sample_ids, shard.num_tokens)):
-                if sid in self._where:
-                    raise DFlashCacheError(f"{self.root}: sample {sid} appears in two shards")
-                self._where[sid] = (s, r)
-                self._lengths[sid] = n
+        self.add_shards(self.manifest["shards"])
         self._own_pool = pool is None
         self._pool = ShardPool() if pool is None else pool
         self._fetcher = None
@@ -98,6 +97,18 @@ class Cache:
         self._verified: set[int] = set()
         self._verify_gates: dict[int, threading.Lock] = {}
         self._gates_lock = threading.Lock()
+
+    def add_shards(self, shards: list[ShardRecord]) -> None:
+        """Index `shards` after those already read (all of them: a manifest's, or shards newly committed)."""
+        for shard in shards:
+            s = len(self.shards)
+            self.shards.append(shard)
+            for r, (sid, n) in enumerate(zip(shard.sample_ids, shard.num_tokens)):
+                if sid in self._where:
+                    raise DFlashCacheError(f"{self.root}: sample {sid} appears in two shards")
+                self._where[sid] = (s, r)
+                self._lengths[sid] = n
+        self._by_record = None
 
     def __len__(self) -> int:
         return len(self._where)

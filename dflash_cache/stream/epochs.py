@@ -46,6 +46,11 @@ class EpochPlan:
         share = shard_for_rank(self.batches(epoch), rank, self.world)
         return share[: self.steps_in_epoch(epoch) * self.grad_accum]
 
+    def segment(self, epoch: int, part: int, rank: int) -> tuple[list[list[int]], int, bool]:
+        """An epoch in parts, as a following run plans its first one (stream/follow.py): here one part,
+        the whole epoch: (this rank's batches, the plan position of the first, whether it is the last part)."""
+        return self.rank_batches(epoch, rank), 0, True
+
     def global_index(self, local_index: int, rank: int) -> int:
         """The plan position of this rank's `local_index`-th batch of an epoch."""
         return local_index * self.world + rank

@@ -57,6 +57,8 @@ class TrainConfig:
     local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
     local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
     max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS  # shard files open at once on each rank (store.pool)
+    follow: bool = False  # the first epoch follows the cache while its extraction writes it (stream/follow.py)
+    follow_timeout_s: float | None = None  # with follow: the longest wait for a new shard; None: no limit
 
     def check(self) -> None:
         self.check_source()
@@ -123,6 +125,10 @@ class TrainConfig:
                          "target_gpus": self.target_gpus, "exact_target": self.exact_target}
             if given := [name for name, value in live_only.items() if value]:
                 raise DFlashCacheError(f"--{given[0].replace('_', '-')} applies only with --live-target")
+            if self.follow:
+                self.check_follow()
+            elif self.follow_timeout_s is not None:
+                raise DFlashCacheError("--follow-timeout applies only with --follow")
             if self.local_cache is not None and not any(is_remote(c) for c in self.caches):
                 raise DFlashCacheError("--local-cache applies only with a remote --cache (s3://...); "
                                        "a local cache is read in place")
@@ -134,10 +140,24 @@ class TrainConfig:
                                    "--live-target computes none: use --cache, or --loss dflash or dpace")
         if self.local_cache is not None:
             raise DFlashCacheError("--local-cache applies only with --cache")
+        if self.follow:
+            raise DFlashCacheError("--follow follows a cache under extraction; it applies only with --cache")
         if self.target_gpus is not None and not self.target_gpus:
             raise DFlashCacheError("--target-gpus is empty; name one GPU per training rank, or leave it out")
         if self.max_length < 2:
             raise DFlashCacheError(f"--max-length must be at least 2 (got {self.max_length})")
+
+    def check_follow(self) -> None:
+        if len(self.caches) != 1:
+            raise DFlashCacheError(f"--follow follows one cache (got {len(self.caches)}); train on the others once finished")
+        if self.steps is None:
+            raise DFlashCacheError("--follow needs --steps: the learning-rate schedule needs the run's length, and the "
+                                   "cache's size is not known before its extraction ends")
+        if self.compile:
+            raise DFlashCacheError("--follow trains eagerly: the compiled drafter is sized from the whole first epoch, "
+                                   "which is not known before the extraction ends; leave out --compile")
+        if self.follow_timeout_s is not None and self.follow_timeout_s <= 0:
+            raise DFlashCacheError(f"--follow-timeout must be positive (got {self.follow_timeout_s})")
 
     def trajectory(self) -> dict:
         """The options that decide the losses of a run: a resumed run must have the same ones."""
@@ -147,6 +167,8 @@ class TrainConfig:
         kept = {name: values[name] for name in keep}
         if self.anchors_per_batch is not None:  # absent from the runs that predate it, which can still resume
             kept["anchors_per_batch"] = self.anchors_per_batch
+        if self.follow:  # likewise
+            kept["follow"] = True
         if self.loss != LOSSES[0]:  # likewise
             kept["loss"] = self.loss
             if self.loss == "dpace":

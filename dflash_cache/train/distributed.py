@@ -92,6 +92,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def is_first_rank() -> bool:
+    """Rank 0 of the process group, or a process without one."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def all_gather_objects(obj) -> list:
     """`obj` of every rank, in rank order (a collective: every rank must call it)."""
     if not dist.is_initialized():

@@ -11,7 +11,7 @@ A live target is per rank: each training rank runs its own copy of the target, o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, closing
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.target import Target
 from dflash_cache.live import LiveSource
 from dflash_cache.stream.caches import CacheSet
+from dflash_cache.stream.follow import FollowedCache, Waiter
 from dflash_cache.stream.loader import Loader
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.distributed import visible_gpus
@@ -105,6 +106,21 @@ class CacheSource(Source):
         return Loader(self.caches, plan, device, self.prefetch, self.workers, self.topk)
 
 
+class FollowSource(CacheSource):
+    """One cache read as its extraction commits shards (`--follow`), its samples growing as they are consumed."""
+
+    def __init__(self, caches: FollowedCache, waiter: Waiter, prefetch: int, workers: int, topk: bool = False):
+        super().__init__(caches, prefetch, workers, topk)
+        self.followed = caches
+        self.waiter = waiter
+
+    def describe(self) -> str:
+        return f"{self.followed.root}, followed while it is extracted"
+
+    def identity(self) -> tuple[list[dict], list[int]]:
+        return [self.spec], []  # its size is not known before its extraction ends
+
+
 class LiveTargetSource(Source):
     """The target computing each batch when the loop asks for it, with no read-ahead."""
 
@@ -128,9 +144,14 @@ class LiveTargetSource(Source):
         return closing(self.live.batches(plan, device))
 
 
-def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | None = None) -> Source:
+def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | None = None,
+                echo: Callable[[str], None] | None = None) -> Source:
     """The source `cfg` names. A live target loads on `target_device` when first used, unless `target`
-    gives it already loaded (benchmarks build one in place)."""
+    gives it already loaded (benchmarks build one in place). `echo`: where a followed cache's waits are said."""
+    if cfg.follow:
+        waiter = Waiter(Path(cfg.caches[0]), cfg.follow_timeout_s, echo)
+        followed = FollowedCache(cfg.caches[0], waiter, cfg.max_open_shards)
+        return FollowSource(followed, waiter, cfg.prefetch, cfg.workers, topk=cfg.loss == "topk")
     if cfg.live_target is None:
         caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes, cfg.max_open_shards, verify_shards=True)
         return CacheSource(caches, cfg.prefetch, cfg.workers, topk=cfg.loss == "topk")

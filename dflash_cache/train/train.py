@@ -39,6 +39,7 @@ from dflash_cache.stream.epochs import (
     batch_seed,
     held_out_batches,
 )
+from dflash_cache.stream.follow import FollowPlan
 from dflash_cache.train.budget import (
     GPU_SHARE,
     available_bytes,
@@ -76,7 +77,7 @@ from dflash_cache.train.model import build_drafter, drafter_config_for
 from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_step, gradient_norm
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
-from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
+from dflash_cache.train.source import FollowSource, Source, check_target_gpus, open_source, target_device
 from dflash_cache.units import size as gb
 
 Echo = Callable[[str], None]
@@ -128,13 +129,13 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
     source, drafter config, split, plan, then the run folder. Returns the steps of each epoch
     counted, for the ranks not to plan every epoch again (None when there is nothing to do: a
     resumed run that is already finished), and the run folder's lock, to hold for the whole run."""
-    source = open_source(cfg)  # a live target's weights are not loaded here
+    source = open_source(cfg, echo=echo)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
         config, notes = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
         identity = run_identity(cfg.trajectory(), world, *source.identity(), config.to_dict())
         train_keys, eval_keys = source.split(cfg.eval_fraction)
-        plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum)
+        plan = make_plan(cfg, source, train_keys, world, None, echo)
         plan_lines = plan.describe(0)  # before the other epochs are counted, while epoch 0 is still cached
         total = plan.total_steps(cfg.epochs, cfg.steps)
         checkpoint, lock = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
@@ -159,13 +160,22 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
     return plan.epoch_steps, lock
 
 
+def make_plan(cfg: TrainConfig, source: Source, train_keys: list[int], world: int,
+              epoch_steps: dict[int, int] | None, echo: Echo | None) -> EpochPlan | FollowPlan:
+    """The run's epoch plan: the ordinary one, or one whose first epoch follows the cache (`--follow`)."""
+    if isinstance(source, FollowSource):
+        return FollowPlan(source.followed, Path(cfg.out), cfg.token_budget, cfg.seed, world, cfg.grad_accum,
+                          cfg.eval_fraction, source.waiter)
+    return EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum, epoch_steps)
+
+
 def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None,
              epoch_steps: dict[int, int] | None = None) -> None:
     """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index);
     `epoch_steps`: from `prepare` in this run."""
     me = init_rank(rank, world, device, cfg.collective_timeout_s)
     try:
-        source = open_source(cfg, target_device(cfg, rank if local is None else local, device))
+        source = open_source(cfg, target_device(cfg, rank if local is None else local, device), echo=echo if rank == 0 else None)
         run(me, cfg, echo if me.is_main else None, source, epoch_steps)
     finally:
         shutdown()
@@ -175,12 +185,14 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     """This rank's training loop, fed by `source` (closed at the end)."""
     out = Path(cfg.out)
     train_keys, eval_keys = source.split(cfg.eval_fraction)
-    plan = EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, me.world, cfg.grad_accum, epoch_steps)
+    plan = make_plan(cfg, source, train_keys, me.world, epoch_steps, echo)
     total = plan.total_steps(cfg.epochs, cfg.steps)
     held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
 
     config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
-    lengths = [[source.lengths[k] for k in b] for b in plan.batches(0)]
+    # A followed cache's batches are not known yet: its memory is checked for a batch of one sample filling the budget.
+    lengths = ([[min(cfg.token_budget, source.spec["max_length"])]] if isinstance(plan, FollowPlan)
+               else [[source.lengths[k] for k in b] for b in plan.batches(0)])
     per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
     memory = estimate_step_memory(config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True,
                                   per_batch=per_batch)
@@ -229,8 +241,8 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
     saved_at = position["step"]
     try:
         while position["step"] < total:
-            epoch = position["epoch"]
-            batches = plan.rank_batches(epoch, me.rank)
+            epoch, part = position["epoch"], position.get("part", 0)
+            batches, offset, last_part = plan.segment(epoch, part, me.rank)
             start = position["epoch_step"] * cfg.grad_accum
             with source.batches(batches[start:], me.device) as loader:
                 tick = time.perf_counter()
@@ -240,7 +252,7 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                     anchors; None past the epoch or the run."""
                     if local >= len(batches) or step >= total:
                         return None
-                    return [with_anchors(next(loader), cfg, me, epoch, plan.global_index(local + i, me.rank),
+                    return [with_anchors(next(loader), cfg, me, epoch, offset + plan.global_index(local + i, me.rank),
                                          config.block_size, anchor_budget or per_batch) for i in range(cfg.grad_accum)]
 
                 micro = micro_batches(start, position["step"])
@@ -268,7 +280,11 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                         log.step(step_record(stats, grad_norm, lr, now - tick, position, me, cfg.grad_accum))
                     faults.point("train.step")
                     step = position["step"]
-                    if eval_keys and (step % cfg.eval_every == 0 or step == total):  # every rank, even one with no batch
+                    evaluating = step % cfg.eval_every == 0 or step == total
+                    if evaluating and isinstance(plan, FollowPlan):  # the held-out samples committed so far
+                        eval_keys = source.split(cfg.eval_fraction)[1]
+                        held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
+                    if eval_keys and evaluating:  # every rank, even one with no batch
                         result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size, per_batch)
                         if log is not None:
                             log.eval({"step": step, **result})
@@ -277,7 +293,11 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                         saved_at = step
                     tick = time.perf_counter()
             if position["epoch_step"] * cfg.grad_accum >= len(batches):
-                position["epoch"] += 1
+                if last_part:
+                    position["epoch"] += 1
+                    position["part"] = 0
+                else:
+                    position["part"] = part + 1
                 position["epoch_step"] = 0
         if cfg.save_every and saved_at != position["step"]:
             save(out, model, optimizer, scheduler, position, me, cfg.keep_last)
