@@ -12,7 +12,6 @@ Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a sta
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 
 import torch
