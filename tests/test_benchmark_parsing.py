@@ -1,6 +1,7 @@
 """The benchmarks' parsing of other processes' output, checked on the CPU (a mismatch costs a whole
 device call): benchmarks/extract_cold.py reads the CLI's own lines, large numbers included;
-benchmarks/drafter.py --peer reads the JSON line of speculators' step script."""
+benchmarks/drafter.py --peer reads the JSON line of speculators' step script; benchmarks/quality.py reads
+`eval --target`'s report."""
 
 import os
 import sys
@@ -39,3 +40,15 @@ def test_the_speculators_step_runs_with_our_shape_and_is_stopped_once_it_has_pri
         os.kill(result["pid"], 0)
     with pytest.raises(SystemExit, match="no result line"):
         run_peer(f"{sys.executable} {script}", tokens=0, anchors=64)
+
+
+def test_quality_reads_eval_target_lines():
+    """Four cycles accepting 0, 1, 3 and 0 drafts of a block of 4, 10 new tokens in 8 target forwards."""
+    from benchmarks.quality import parse_eval
+    from dflash_cache.eval.speculative import SpeculativeReport
+
+    report = SpeculativeReport(drafter="d", block_size=4, prompts=1, new_tokens=10, target_forwards=8,
+                               accepted=[0, 1, 3, 0], speculative_s=1.0, greedy_s=2.0)
+    parsed = parse_eval("\n".join(["drafter d", *report.lines()]))
+    assert parsed.tau == 2.0 and parsed.tokens_per_forward == 1.25
+    assert parsed.acceptance == [0.5, 0.25, 0.25]
