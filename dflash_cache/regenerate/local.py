@@ -34,6 +34,7 @@ from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 
 MAX_BATCH = 16  # conversations generated together by one replica
+GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)
 THINK = ("<think>", "</think>")
 
 
@@ -170,14 +171,15 @@ class LocalTarget:
             thread.start()
 
     def _take(self) -> list[_Request] | None:
-        """The next request and every other one already waiting, up to max_batch; None at the end."""
+        """The next request and every other one arriving within GATHER_S of the last, up to max_batch;
+        None at the end."""
         first = self._queue.get()
         if first is None:
             return None
         taken = [first]
         while len(taken) < self.max_batch:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(timeout=GATHER_S)
             except queue.Empty:
                 break
             if item is None:  # an end mark for a replica: left for the next take
