@@ -136,7 +136,7 @@ def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers):
     tokenizer = failing_tokenizer()
     path = mixed_file(tmp_path, tokenizer)
     options = EncodeOptions(64, max_record_bytes=1000)
-    with pytest.raises(DFlashCacheError, match=rf"mixed.jsonl:2: not valid JSON"):
+    with pytest.raises(DFlashCacheError, match=r"mixed.jsonl:2: not valid JSON"):
         load_all([path], tokenizer, 64, workers=workers, options=options)
     data = load_all([path], tokenizer, 64, workers=workers, options=options, on_bad_record="skip")
     assert [s.sample_id for s in data.samples] == [0, 7]  # ids stay the record index
@@ -181,7 +181,7 @@ def test_unfaithful_template_is_counted_or_refused(tmp_path):
     assert data.unfaithful == 1 and data.unfaithful_examples == [
         f"{path}:1: the template does not render the reasoning of assistant turn 1"]
     assert data.report()["unfaithful"] == {"count": 1, "examples": data.unfaithful_examples}
-    with pytest.raises(DFlashCacheError, match=rf"r.jsonl:1: the chat template does not render this conversation faithfully"):
+    with pytest.raises(DFlashCacheError, match=r"r.jsonl:1: the chat template does not render this conversation faithfully"):
         load_all([path], tokenizer, 64, options=EncodeOptions(64, strict_template=True))
 
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.manifest import manifest_checksum
+from dflash_cache_cli.main import main
 from tests.cachegen import random_spec, write_random_cache
 
 
@@ -134,8 +134,8 @@ def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tm
     it): `train` made its run folder and stopped at the first step with `RuntimeError: The size of
     tensor a (32) must match the size of tensor b (16)`; `eval --cache` the same."""
     from dflash_cache.drafter.checkpoint import save_drafter
-    from dflash_cache.drafter.model import DFlashDrafter
     from dflash_cache.drafter.config import load_drafter_config
+    from dflash_cache.drafter.model import DFlashDrafter
     from tests.test_train_helpers import drafter_json, make_cache, write_head
 
     cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
@@ -278,7 +278,6 @@ def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_pa
     import struct
     import subprocess
     import sys
-    from pathlib import Path
 
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cache.data.readers import BadRecord, Conversation, JsonLine, Record, check_data_file, parse_json_line, read_records
+from dflash_cache.data.readers import (
+    BadRecord,
+    Conversation,
+    JsonLine,
+    Record,
+    check_data_file,
+    parse_json_line,
+    read_records,
+)
 from dflash_cache.data.tokenize import KINDS, check_token_ids, encode_conversation
 from dflash_cache.errors import DFlashCacheError
 

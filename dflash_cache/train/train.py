@@ -61,7 +61,6 @@ from dflash_cache.train.checkpoint import (
     set_rng_state,
 )
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.units import size as gb
 from dflash_cache.train.distributed import (
     Rank,
     all_gather_objects,
@@ -78,6 +77,7 @@ from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_s
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
+from dflash_cache.units import size as gb
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
@@ -335,7 +335,8 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[Fe
         try:
             with sync:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
                 (out.loss / len(micro)).backward()
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
@@ -377,7 +378,8 @@ def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, li
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
             try:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not is_out_of_memory(e):
                     raise
