@@ -4,7 +4,8 @@ One replica per device (`--gpus`, or the CPU), each answering requests from a sh
 own thread. A replica takes every request waiting (up to `MAX_BATCH`) and generates them together:
 prompts of like length are grouped and left-padded, the attention mask and position ids leaving
 each row's answer the one that row would get alone. Greedy decoding drops each row from the batch
-as it finishes (sampling runs through `generate`, whose batch keeps every row to the end). A request
+as it finishes (sampling, and greedy decoding under a generation config that adjusts the logits,
+run through `generate`, whose batch keeps every row to the end). A request
 is rendered and generated the way `transformers serve` does it: the chat template with the
 generation prompt and the model's own generation config (greedy at temperature 0, its end-of-turn
 token). The reply is split into content, reasoning and tool calls by the tokenizer's response
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.extract.info import read_target_info
@@ -37,6 +38,11 @@ from dflash_cache.regenerate.settings import GenerationSettings
 MAX_BATCH = 16  # conversations generated together by one replica
 GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)
 THINK = ("<think>", "</think>")
+# Generation settings that change which token greedy decoding picks (through `generate`'s logits processors).
+LOGITS_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                   "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                   "sequence_bias", "exponential_decay_length_penalty", "encoder_repetition_penalty",
+                   "encoder_no_repeat_ngram_size", "guidance_scale", "renormalize_logits")
 
 
 class _Stopped(StoppingCriteria):
@@ -93,7 +99,7 @@ class _Replica:
             completions[i] = Completion(content, reasoning, tool_calls, finish, len(generated), model_name)
             on_answer(i, completions[i])
 
-        if config.do_sample:
+        if config.do_sample or not _plain_greedy(config):
             output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                          stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
             for i, row in enumerate(output[:, width:].tolist()):
@@ -157,6 +163,13 @@ class _Replica:
         reasoning = self.tokenizer.decode(generated[start:end], skip_special_tokens=True).strip()
         content = self.tokenizer.decode(generated[end + 1:], skip_special_tokens=True).strip()
         return content, reasoning or None, None
+
+
+def _plain_greedy(config: GenerationConfig) -> bool:
+    """Whether greedy decoding under `config` is the argmax of the logits as they are: no setting
+    that `generate` turns into a logits processor differs from its default."""
+    default = GenerationConfig()
+    return all(getattr(config, name, None) == getattr(default, name, None) for name in LOGITS_SETTINGS)
 
 
 def _until(row: list[int], stops: set[int]) -> list[int]:
