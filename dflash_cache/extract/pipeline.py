@@ -227,7 +227,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
         encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
         data = tokenized_data(opts.data, tokenizer, opts.max_length, tokenizer_hash(Path(opts.target)), opts.tokenized_dir,
-                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize)
+                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize, on_note)
         on_data(data.info)
         if not len(data.sample_ids):
             raise DFlashCacheError(
