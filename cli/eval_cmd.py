@@ -1,15 +1,25 @@
+import sys
+import time
 from pathlib import Path
 
 import click
 from tqdm import tqdm
 
 from dflash_cache.choices import TARGET_DTYPES
+from dflash_cache.progress import duration
 
 
-def progress(bar: tqdm):
+def progress(bar: tqdm, unit: str):
+    """A bar on a terminal; otherwise one line per step done, with the ETA, for logs."""
+    started = time.monotonic()
+
     def update(done: int, total: int) -> None:
         bar.total = total
         bar.update(done - bar.n)
+        if bar.disable and done:
+            elapsed = time.monotonic() - started
+            click.echo(f"eval: {done}/{total} {unit}, {duration(elapsed)} elapsed, "
+                       f"ETA {duration(elapsed / done * (total - done))}", err=True)
 
     return update
 
@@ -22,9 +32,10 @@ def progress(bar: tqdm):
               help="Target model directory: real speculative decoding on the prompts of --data.")
 @click.option("--data", multiple=True, type=click.Path(path_type=Path),
               help="Held-out conversations (or pre-tokenized records): each one's prompt is everything before its "
-                   "first assistant turn. Repeatable.")
+                   "first assistant turn, or the whole conversation where it has none. Repeatable.")
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt. Default: 128 on a GPU, 64 on the CPU.")
-@click.option("--num-prompts", type=click.IntRange(min=0), help="Prompts to decode (0: every one). Default: 16 on a GPU, 8 on the CPU.")
+@click.option("--num-prompts", "--limit", "num_prompts", type=click.IntRange(min=0),
+              help="Prompts to decode: those of the first N records (0: every one). Default: 16 on a GPU, 8 on the CPU.")
 @click.option("--dtype", type=click.Choice(TARGET_DTYPES), default="float32", show_default=True,
               help="Target precision. bf16 near-ties can flip an argmax between the two decodings and fail the check.")
 @click.option("--cache", "caches", multiple=True,
@@ -55,8 +66,8 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
     if caches:
         opts = OfflineOptions(drafter=drafter, caches=list(caches), eval_fraction=eval_fraction,
                               token_budget=token_budget, max_anchors=max_anchors, seed=seed, device=device)
-        with tqdm(unit="batch", desc="eval", disable=None) as bar:
-            report = evaluate_offline(opts, progress(bar))
+        with tqdm(unit="batch", desc="eval", disable=None, file=sys.stderr) as bar:
+            report = evaluate_offline(opts, progress(bar, "batches"))
     else:
         if not data:
             raise click.UsageError("--target needs --data with held-out prompts")
@@ -65,8 +76,8 @@ def command(drafter, target, data, max_new_tokens, num_prompts, dtype, caches, e
         opts = SpeculativeOptions(drafter=drafter, target=target, data=list(data),
                                   max_new_tokens=tokens_default if max_new_tokens is None else max_new_tokens,
                                   num_prompts=num_prompts or None, device=device, dtype=dtype)
-        with tqdm(unit="prompt", desc="eval", disable=None) as bar:
-            report = evaluate_speculative(opts, progress(bar))
+        with tqdm(unit="prompt", desc="eval", disable=None, file=sys.stderr) as bar:
+            report = evaluate_speculative(opts, progress(bar, "prompts"))
     click.echo(f"drafter {report.drafter}")
     for line in report.lines():
         click.echo(line)

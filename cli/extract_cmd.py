@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @click.option("--num-draft-layers", type=int, help=LAYER_RULE)
 @click.option("--codec", type=click.Choice(CODECS), default="bf16-zstd", show_default=True, help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.")
 @click.option("--gpus", type=INT_LIST, help="GPUs to use, one process each, e.g. 0-4. Default: every visible GPU; the CPU when there is none.")
-@click.option("--token-budget", type=int, default=49152, show_default=True, help="Tokens (with padding) per target forward. Packed rows hold max(this, the longest sample) tokens.")
+@click.option("--token-budget", type=int, help="Tokens (with padding) per target forward. Packed rows hold max(this, the longest sample) tokens. Default: 49152 on a GPU, 4096 on the CPU.")
 @click.option("--max-length", type=int, default=8192, show_default=True, help="Longer samples are truncated (counted in the summary and manifest).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also store the target's top-K ids and log-probs per position.")
 @click.option("--on-bad-sample", type=click.Choice(["error", "skip"]), default="error", show_default=True, help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.")
@@ -173,5 +173,6 @@ def held_line(summary: "ExtractSummary") -> str:
 def rank_line(r: "RankSummary") -> str:
     """The summary line of one rank (benchmarks/extract_cold.py reads it)."""
     rate = r.tokens / max(r.compute_s, 1e-9)
-    return (f"  rank {r.rank}: {r.tokens:,} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s compiling kernels "
+    warm_up = "compiling kernels" if r.on_gpu else "on a warm-up forward"
+    return (f"  rank {r.rank}: {r.tokens:,} tokens, {rate:,.0f} tokens/s, {r.compile_s:.1f} s {warm_up} "
             f"before the first batch, {r.wait_s:.1f} s waiting on disk")

@@ -66,7 +66,8 @@ def _json_object(ctx, param, value):
 
 @click.command("regenerate")
 @click.option("--data", required=True, multiple=True, type=click.Path(path_type=Path),
-              help="Conversation files, as extract reads them ({'messages': [...]} or ShareGPT JSONL). Repeatable.")
+              help="Conversation files, as extract reads them ({'messages': [...]} or ShareGPT JSONL); a conversation "
+                   "without an assistant turn is a prompt, answered by the target. Repeatable.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Output JSONL (messages form); an existing one is resumed.")
 @click.option("--server", "servers", multiple=True,
@@ -82,9 +83,10 @@ def _json_object(ctx, param, value):
 @click.option("--turns", type=click.Choice(TURNS), default="all", show_default=True,
               help="Regenerate every assistant turn (later ones see the new earlier ones), or only the last.")
 @click.option("--chat-template-kwargs", callback=_json_object, help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'.")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N conversations of the data files. Default: all.")
 @click.option("--on-error", type=click.Choice(["error", "skip"]), default="error", show_default=True,
               help="A request that keeps failing: stop, or skip its record and list it (a rerun retries it).")
-def command(data, out, servers, target, gpus, max_tokens, temperature, concurrency, reasoning, turns, chat_template_kwargs, on_error):
+def command(data, out, servers, target, gpus, max_tokens, temperature, concurrency, reasoning, turns, chat_template_kwargs, limit, on_error):
     """Answer the conversations again with the target, so the drafter trains on what the target says.
 
     Rerunning the same command after any interruption resumes: records already written are not asked for again.
@@ -92,7 +94,7 @@ def command(data, out, servers, target, gpus, max_tokens, temperature, concurren
     settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature, reasoning=reasoning, turns=turns,
                                   chat_template_kwargs=chat_template_kwargs)
     opts = RegenerateOptions(data=list(data), out=out, servers=list(servers), target=target, gpus=gpus,
-                             settings=settings, concurrency=concurrency, on_error=on_error)
+                             settings=settings, concurrency=concurrency, on_error=on_error, limit=limit)
     progress: list[Progress] = []
     try:
         with sigterm_raises():  # so that a run killed before its first record leaves no --out file

@@ -11,7 +11,8 @@ import torch
 
 from dflash_cache import DFlashCacheError
 from dflash_cache.drafter.config import DrafterConfig
-from dflash_cache.drafter.defaults import describe_drafter, parameter_count, target_drafter_config
+from dflash_cache.drafter.defaults import choose_mask_token, describe_drafter, parameter_count, target_drafter_config
+from dflash_cache.drafter.reference import config_from_reference, config_to_reference
 from dflash_cache.train import budget
 from dflash_cache.train.budget import (
     GPU_SHARE,
@@ -41,6 +42,54 @@ def test_the_default_drafter_takes_the_targets_shape(tmp_path):
     assert (config.num_key_value_heads, config.head_dim, config.num_hidden_layers, config.block_size) == (2, 16, 5, 16)
     assert (config.target_layer_ids, config.num_target_layers, config.mask_token_id) == ([0, 1, 2, 3], 4, 5)
     assert config.layer_types == ["full_attention"] * 5 and config.preset == "target"
+
+
+def _tokenizer_files(directory, added: list[tuple[str, bool]], vocab: int = 4, **config) -> int:
+    """A tokenizer's files: `vocab` plain tokens, then the `added` (text, special) ones; returns the total."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens = [{"id": vocab + i, "content": text, "special": special} for i, (text, special) in enumerate(added)]
+    (directory / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": tokens, "model": {"vocab": {f"w{i}": i for i in range(vocab)}}}))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return vocab + len(added)
+
+
+def test_a_tokenizer_without_a_mask_token_or_a_free_row_gets_an_unused_special_token(tmp_path):
+    """SmolLM2's case: every embedding row is a token and none is a mask. The token chosen is a special
+    one that the tokenizer's named tokens and the chat template never use: the last one added, or a
+    reserved one by name first; a free embedding row, where there is one, before any of them."""
+    added = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<filename>", True),
+             ("<empty_output>", True), ("plain", False)]
+    named = {"eos_token": "<|im_end|>", "unk_token": {"content": "<|endoftext|>"},
+             "chat_template": "{{ '<|im_start|>' + m['content'] }}"}
+    size = _tokenizer_files(tmp_path / "a", added, **named)
+    chosen = choose_mask_token(tmp_path / "a", size)
+    assert (chosen.id, chosen.text) == (8, "<empty_output>")
+    assert choose_mask_token(tmp_path / "a", size + 3).id == size  # a spare row comes first
+    assert choose_mask_token(tmp_path / "a", size + 3).text is None
+
+    size = _tokenizer_files(tmp_path / "b", [("<|reserved_special_token_0|>", True)] + added, **named)
+    assert (choose_mask_token(tmp_path / "b", size).id, choose_mask_token(tmp_path / "b", size).text) == (
+        4, "<|reserved_special_token_0|>")
+
+    size = _tokenizer_files(tmp_path / "c", added[:3], **named)
+    with pytest.raises(DFlashCacheError, match="declares no mask token, every embedding row is a token and no special"):
+        choose_mask_token(tmp_path / "c", size)
+
+
+def test_the_chosen_mask_token_is_exported_where_the_engines_read_it():
+    """z-lab/dflash and vLLM read dflash_config.mask_token_id; SGLang also dflash_config.mask_token,
+    the text it checks against the id (an absent one defaults to a text the vocabulary lacks)."""
+    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=100, target_layer_ids=[1],
+                           mask_token_id=8, mask_token="<empty_output>")
+    exported = config_to_reference(config, "bfloat16")["dflash_config"]
+    assert (exported["mask_token_id"], exported["mask_token"]) == (8, "<empty_output>")
+    back = config_from_reference(config_to_reference(config, "bfloat16"))
+    assert (back.mask_token_id, back.mask_token) == (8, "<empty_output>")
+    assert "mask_token" not in config_to_reference(DrafterConfig(**{**config.to_dict(), "mask_token": None}),
+                                                "bfloat16")["dflash_config"]
+    assert "mask token 8 <empty_output>" in describe_drafter(config)
 
 
 def test_parameter_count_by_hand():

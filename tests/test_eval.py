@@ -1,5 +1,8 @@
 """Speculative decoding equals the target's greedy decoding; offline tau equals the trainer's."""
 
+import json
+import warnings
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -68,11 +71,13 @@ def test_random_drafter_decodes_exactly_with_tau_near_one(target_dir, conversati
     assert report.tau == pytest.approx(1 + sum(report.acceptance))
 
 
+@pytest.mark.parametrize("kv_cache", [False, True])
 @pytest.mark.parametrize("wrong_slot", [None, 3, 1])
-def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wrong_slot):
+def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wrong_slot, kv_cache):
     """An oracle drafter proposes the greedy continuation (one slot spoiled): whole blocks, or
     exactly the drafts before the spoiled slot, are accepted, and the output stays the greedy one.
-    The drafter sees every earlier position's features, as a fresh forward computes them."""
+    The drafter sees every earlier position's features, as a fresh forward computes them, whether
+    each cycle recomputes the sequence or verifies on the KV cache cut back after it."""
     stops = speculative.stop_ids(fp32_target)
     prompt = load_prompts([conversations], fp32_target.tokenizer, 1)[0]
     greedy = greedy_generate(fp32_target.model, prompt, 20, stops).tokens
@@ -89,7 +94,7 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
         seen.append((tokens[:-1].clone(), context))
         return truth
 
-    generation = speculative_generate(runner, oracle, BLOCK, prompt, 20, stops)
+    generation = speculative_generate(runner, oracle, BLOCK, prompt, 20, stops, kv_cache)
     assert generation.tokens == greedy
     expected = BLOCK - 1 if wrong_slot is None else wrong_slot - 1
     assert generation.accepted[:-1] == [expected] * (len(generation.accepted) - 1)
@@ -97,6 +102,40 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
     tokens, context = seen[-1]
     fresh = runner.run(tokens[None], torch.tensor([len(tokens)])).hidden[0]
     torch.testing.assert_close(context.float(), fresh.float(), atol=1e-5, rtol=2**-7)
+
+
+def test_eval_verifies_on_the_kv_cache_where_it_can_be_cut_back_and_warns_of_nothing(target_dir, conversations, tmp_path):
+    """Dense attention: KV-cached verification and a speed-up printed; hybrid linear attention: the
+    whole sequence recomputed and no speed-up claimed. Neither run raises a warning (a deprecated
+    transformers argument would)."""
+    drafter = random_drafter(tmp_path / "drafter", target_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = evaluate_speculative(SpeculativeOptions(drafter=drafter, target=target_dir, data=[conversations],
+                                                         max_new_tokens=8, num_prompts=2))
+    hybrid = "linear_attention" in (load_target(target_dir, "cpu").config.layer_types or [])
+    assert report.kv_cached is not hybrid
+    timing = report.lines()[4]
+    assert ("speed-up" in timing and "KV-cached greedy" in timing) is not hybrid
+    assert ("no speed-up measured" in timing) is hybrid
+
+
+def test_a_prompt_only_record_is_the_prompt_its_answered_form_gives(fp32_target, conversations, tmp_path):
+    """Each conversation cut before its first assistant turn gives the prompt the whole one gives
+    (its rendering up to the generation prompt); --limit counts records."""
+    records = [json.loads(line) for line in conversations.read_text().splitlines()]
+    cut = [{"messages": r["messages"][:next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}
+           for r in records]
+    prompt_only = tmp_path / "prompts.jsonl"
+    prompt_only.write_text("".join(json.dumps(r) + "\n" for r in cut))
+    tokenizer = fp32_target.tokenizer
+    assert load_prompts([prompt_only], tokenizer, 5) == load_prompts([conversations], tokenizer, 5)
+    assert len(load_prompts([prompt_only], tokenizer)) == len(records)
+    drafter = random_drafter(tmp_path / "drafter", fp32_target.path)
+    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), "--target", str(fp32_target.path),
+                                       "--data", str(prompt_only), "--limit", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert "2 prompts, " in result.output and "eval: 2/2 prompts" in result.stderr
 
 
 def test_a_wrong_output_fails_loudly(qwen3_target_dir, conversations, tmp_path, monkeypatch):
@@ -180,7 +219,7 @@ def test_cli(qwen3_target_dir, conversations, tmp_path):
 
 
 @pytest.mark.parametrize("options, message, exit_code", [
-    (["--num-prompts", "-1"], "Invalid value for '--num-prompts': -1 is not in the range x>=0", 2),
+    (["--num-prompts", "-1"], "Invalid value for '--num-prompts' / '--limit': -1 is not in the range x>=0", 2),
     (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda or cuda:N)", 1),
     (["--device", "cuda:7"], "--device cuda:7: there is no such GPU (this machine shows", 1),
 ])

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.tokenize import tokenize_conversation
 from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
 from tests.tiny import write_conversations
 
@@ -205,3 +206,18 @@ def test_a_complete_cache_reruns_without_loading_the_target(qwen3_target_dir, co
     summary = run_extract(qwen3_target_dir, conversations, out)
     assert summary.already_complete and summary.samples == 0
     assert (out / "manifest.json").read_bytes() == manifest
+
+
+def test_the_cpu_takes_a_token_budget_it_can_run_and_reports_progress_row_by_row(qwen3_target_dir, tmp_path, monkeypatch):
+    """No --token-budget on the CPU: 4,096 tokens per forward (not a GPU's 49,152, which put a
+    small dataset in one row and showed no progress until the end): rows of at most 4,096 tokens,
+    each reporting its samples as it is written."""
+    data = write_conversations(tmp_path / "many.jsonl", count=160)
+    reports, rows = [], []
+    real = TargetRunner.run_batch
+    monkeypatch.setattr(TargetRunner, "run_batch", lambda self, fb, *a: rows.append(fb.input_ids.numel()) or real(self, fb, *a))
+    summary = extract(ExtractOptions(target=qwen3_target_dir, data=[data], out=tmp_path / "cache", layers=LAYERS),
+                      on_progress=lambda p: p.samples and reports.append(p.samples))
+    assert summary.manifest["spec"]["token_budget"] == 4096
+    assert max(rows) == 4096 and len(rows) > 2 and summary.tokens > 2 * 4096  # the warm-up row included
+    assert sum(reports) == summary.samples == 160

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash_cache.data.readers import read_records
@@ -255,6 +256,8 @@ def _greedy_reference(records: list[dict], max_new_tokens: int) -> list[list[dic
     out = []
     for record in records:
         messages = [dict(m) for m in record["messages"]]
+        if not any(m["role"] == "assistant" for m in messages):  # a prompt: its answer is appended
+            messages.append({"role": "assistant"})
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -291,6 +294,63 @@ def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tm
     local = tmp_path / "local.jsonl"
     regenerate(RegenerateOptions(data=[data], out=local, target=TARGET, settings=settings))
     assert [r["messages"] for r in sorted(read_jsonl(local), key=lambda r: int(r["source"].rsplit(":", 1)[1]))] == expected
+
+
+def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_path, monkeypatch):
+    """Conversations waiting together are generated as one left-padded batch, each row's answer the
+    target's own greedy `generate` of that conversation alone; a prompt-only record gets its answer
+    appended; --limit takes the first N records."""
+    from dflash_cache.regenerate import local
+
+    batches = []
+    generate = local._Replica.generate
+    monkeypatch.setattr(local._Replica, "generate", lambda self, prompts, *a: batches.append(len(prompts)) or generate(self, prompts, *a))
+    records = [{"messages": r["messages"][:2]} for r in _bundled([1, 2, 3, 4, 5, 6, 7])]
+    records[2] = {"messages": records[2]["messages"][:1]}  # prompt only
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(RegenerateOptions(data=[data], out=out, target=TARGET, limit=6,
+                                           settings=GenerationSettings(max_tokens=12)))
+    assert summary.records == 6 and max(batches) > 1
+    expected = _greedy_reference(records[:6], max_new_tokens=12)
+    written = sorted(read_jsonl(out), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
+    assert [r["messages"] for r in written] == expected
+
+
+def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
+    """Greedy decoding of a batch whose rows end at different steps (an end token each row meets at
+    its own time): every row's answer is the target's own `generate` of it alone, end token included."""
+    import threading
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_cache.regenerate.local import _Replica
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    prompts = [tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+               for r in _bundled([1, 2, 3, 4, 5])]
+
+    def alone(prompt, eos):
+        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
+        return ids[0, len(prompt):].tolist()
+
+    first = [alone(p, tokenizer.eos_token_id) for p in prompts]
+    ends = sorted({row[2 + 3 * i] for i, row in enumerate(first)} | {tokenizer.eos_token_id})  # rows end early, apart
+    replica = _Replica(TARGET, "cpu", threading.Event())
+    replica.model.generation_config.eos_token_id = ends
+    answers = replica.generate(prompts, GenerationSettings(max_tokens=16), "m")
+    expected = [alone(p, ends) for p in prompts]
+    assert [a.completion_tokens for a in answers] == [len(e) for e in expected]
+    assert len(set(map(len, expected))) > 1  # the rows did finish at different steps
+    assert [a.content for a in answers] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+
+    # A generation config that adjusts the logits (a repetition penalty) is honoured, as `generate` does it.
+    replica.model.generation_config.repetition_penalty = model.generation_config.repetition_penalty = 1.5
+    penalised = [alone(p, ends) for p in prompts]
+    assert penalised != expected
+    assert [a.content for a in replica.generate(prompts, GenerationSettings(max_tokens=16), "m")] == [
+        tokenizer.decode(e, skip_special_tokens=True) for e in penalised]
 
 
 @pytest.mark.slow

@@ -70,8 +70,9 @@ def show(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_conversation(obj: dict, form: str) -> tuple[list[dict], list[dict] | None]:
-    """(messages, tools) of a record in the `messages` or ShareGPT `conversations` form."""
+def parse_conversation(obj: dict, form: str, prompts: bool = False) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) of a record in the `messages` or ShareGPT `conversations` form; with
+    `prompts`, one without an assistant turn too (a prompt for the target to answer)."""
     turns = obj[form]
     if not isinstance(turns, list) or not turns:
         raise DFlashCacheError(f"'{form}' must be a non-empty list of turns")
@@ -86,7 +87,7 @@ def parse_conversation(obj: dict, form: str) -> tuple[list[dict], list[dict] | N
         if not isinstance(turn, dict):
             raise DFlashCacheError(f"{form}[{i}] must be an object, found {type(turn).__name__}")
         messages.append(_message(turn, f"{form}[{i}]", role_key, content_key))
-    if not any(m["role"] == "assistant" for m in messages):
+    if not prompts and not any(m["role"] == "assistant" for m in messages):
         raise DFlashCacheError("the conversation has no assistant turn, so nothing to train on")
     return messages, _tools(obj.get("tools"))
 

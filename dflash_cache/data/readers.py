@@ -105,11 +105,12 @@ def check_data_file(path: str | Path) -> None:
 
 
 def read_records(
-    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None, parse_json: bool = True
+    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None, parse_json: bool = True,
+    prompts: bool = False,
 ) -> Iterator[Record | BadRecord | JsonLine]:
     """Yield every record of one data file, in order; an empty file is an error. Without
     `parse_json`, a JSONL line that is not blank comes as a JsonLine (`parse_json_line` makes it a
-    record or raises)."""
+    record or raises). With `prompts`, a conversation without an assistant turn is a record too."""
     path = Path(path)
     check_data_file(path)
     try:
@@ -124,7 +125,7 @@ def read_records(
     elif head.startswith((ARROW_FILE_MAGIC, ARROW_STREAM_MAGIC)):
         records = _read_arrow(path)
     else:
-        records = _read_jsonl(path, head.startswith(GZIP_MAGIC), skip_bad, max_line_bytes, parse_json)
+        records = _read_jsonl(path, head.startswith(GZIP_MAGIC), skip_bad, max_line_bytes, parse_json, prompts)
     count = 0
     for record in records:
         count += 1
@@ -137,7 +138,7 @@ def read_records(
 
 
 def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int | None,
-                parse_json: bool = True) -> Iterator[Record | BadRecord | JsonLine]:
+                parse_json: bool = True, prompts: bool = False) -> Iterator[Record | BadRecord | JsonLine]:
     with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
         try:
             for lineno, raw in _lines(f, max_line_bytes):
@@ -146,7 +147,7 @@ def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int |
                     line = _line_text(raw, lineno, where, max_line_bytes)
                     record = None if line is None else JsonLine(line, where)
                     if record is not None and parse_json:
-                        record = parse_json_line(record)
+                        record = parse_json_line(record, prompts)
                 except DFlashCacheError as e:
                     if not skip_bad:
                         raise
@@ -193,7 +194,7 @@ def _line_text(raw: bytes | None, lineno: int, where: str, max_line_bytes: int |
     return line if line.strip() else None
 
 
-def parse_json_line(line: JsonLine) -> Record:
+def parse_json_line(line: JsonLine, prompts: bool = False) -> Record:
     """The record of a JSONL line read with `parse_json=False`."""
     try:
         obj = json.loads(line.text)
@@ -202,12 +203,12 @@ def parse_json_line(line: JsonLine) -> Record:
     except RecursionError:
         raise DFlashCacheError(f"{line.where}: JSON nested too deeply") from None
     try:
-        return _parse_object(obj, line.where)
+        return _parse_object(obj, line.where, prompts)
     except DFlashCacheError as e:
         raise DFlashCacheError(f"{line.where}: {e}") from None
 
 
-def _parse_object(obj: object, where: str) -> Record:
+def _parse_object(obj: object, where: str, prompts: bool = False) -> Record:
     if not isinstance(obj, dict):
         hint = " (a JSON array file? write one object per line)" if isinstance(obj, list) else ""
         raise DFlashCacheError(f"expected a JSON object, found {type(obj).__name__}{hint}")
@@ -224,7 +225,7 @@ def _parse_object(obj: object, where: str) -> Record:
         if mask is not None:
             mask = _mask_list(mask, len(ids))
         return TokenRecord(ids, mask, where, own_id)
-    messages, tools = parse_conversation(obj, forms[0])
+    messages, tools = parse_conversation(obj, forms[0], prompts)
     return Conversation(messages, where, tools, own_id)
 
 

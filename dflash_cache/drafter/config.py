@@ -34,6 +34,7 @@ class DrafterConfig:
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int = 0
+    mask_token: str | None = None  # the mask token's text, where it is a token of the vocabulary (engines check the two agree)
     num_target_layers: int = 0
     target_hidden_size: int = 0  # 0: same as hidden_size
     layer_types: list[str] = field(default_factory=list)  # empty: all full attention
@@ -204,6 +205,8 @@ def adapt_to_cache(
 
     change("vocab_size", vocab_size, "the cache's vocabulary")
     change("mask_token_id", mask_token_id, "the cache's tokenizer mask token")
+    if "mask_token_id" in changes:
+        changes["mask_token"] = None  # the text named the old id
     layer_ids = list(layer_ids)
     if config.preset is not None:
         change("hidden_size", target_hidden_size, "the cache's target hidden size")

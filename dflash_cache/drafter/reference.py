@@ -39,7 +39,8 @@ def config_to_reference(config: DrafterConfig, dtype: str) -> dict:
         "sliding_window": config.sliding_window if sliding else None,
         "num_target_layers": config.num_target_layers,
         "block_size": config.block_size,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          **({"mask_token": config.mask_token} if config.mask_token else {})},
         "dtype": dtype,
     }
 
@@ -66,6 +67,7 @@ def config_from_reference(values: dict) -> DrafterConfig:
             block_size=dflash.get("block_size", values.get("block_size", 16)),
             target_layer_ids=dflash["target_layer_ids"],
             mask_token_id=dflash["mask_token_id"],
+            mask_token=dflash.get("mask_token"),
             num_target_layers=values.get("num_target_layers", 0),
             layer_types=values.get("layer_types") or ["full_attention"] * layers,
             sliding_window=values.get("sliding_window"),

@@ -11,11 +11,12 @@ Speculative decoding, one cycle:
 so a cycle yields m+1 tokens for one target forward, and every yielded token is the target's argmax
 after the tokens before it: the output is the target's greedy output.
 
-The verifying forward recomputes the whole sequence rather than extending a KV cache. That is
-correct for every architecture (the linear-attention layers of hybrid targets keep a recurrent state
-that cannot drop a rejected suffix), needs no cache surgery, and hands the drafter context features
-computed exactly as extraction computes them (one `TargetRunner` forward over the sequence). It
-costs O(length) per cycle instead of O(block), which is what an evaluation can afford.
+Where the target's KV cache can be cut back (every layer plain attention, kvcache.py), a cycle's
+verifying forward runs only the block x_a, d_1 .. d_{B-1} against the cache, which then drops the
+rejected drafts; the drafter's context features are those of each forward's kept positions. Where
+it cannot (the recurrent state of hybrid linear-attention targets cannot drop a rejected suffix), the
+verifying forward recomputes the whole sequence: correct for every architecture, but O(length) per
+cycle instead of O(block), so its wall time says nothing about speed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.extract.runner import TargetRunner
+from dflash_cache.kvcache import cache_kwargs, crop_cache, new_cache, returned_cache
 
 # (tokens [a+1] int64 ending with the newest token, context features [a, L*H] bf16) -> drafts [B-1] int64
 Drafter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,38 +58,49 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set
     """The target's own greedy output: one token per forward, with its KV cache."""
     device = model.get_input_embeddings().weight.device
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+    cache = returned_cache(out)  # the model's own kind of cache (hybrid targets keep recurrent state in it)
     tokens = [int(out.logits[0, -1].argmax())]
     while not _finished(tokens, stop_ids, max_new_tokens):
         step = torch.tensor([[tokens[-1]]], device=device)
-        out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=step, logits_to_keep=1, **cache_kwargs(model, cache))
         tokens.append(int(out.logits[0, -1].argmax()))
     return Generation(tokens, target_forwards=len(tokens))
 
 
 @torch.inference_mode()
 def speculative_generate(
-    runner: TargetRunner, draft: Drafter, block_size: int, prompt: list[int], max_new_tokens: int, stop_ids: set[int]
+    runner: TargetRunner, draft: Drafter, block_size: int, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+    kv_cache: bool = False,
 ) -> Generation:
-    """Greedy speculative decoding; `runner` must capture the layers the drafter reads."""
+    """Greedy speculative decoding; `runner` must capture the layers the drafter reads. `kv_cache`:
+    verify against the target's cache, cut back after each cycle (only where kvcache.croppable)."""
     device = runner.target.model.get_input_embeddings().weight.device
+    cache = new_cache(runner.target.model) if kv_cache else None
     sequence = torch.tensor(prompt, device=device)
-    out = runner.run(sequence[None], torch.tensor([len(prompt)]))
+    out = runner.run(sequence[None], torch.tensor([len(prompt)]), cache)
     features, predicted = out.hidden[0], out.target_ids[0]
     generation = Generation([int(predicted[-1])], target_forwards=1)
     while not _finished(generation.tokens, stop_ids, max_new_tokens):
         sequence = torch.cat([sequence, predicted[-1:]])  # x_a: the target's newest token
         a = sequence.shape[0] - 1
         drafts = draft(sequence, features[:a]).to(device)
-        out = runner.run(torch.cat([sequence, drafts])[None], torch.tensor([a + block_size]))
+        first = a if cache is None else 0  # where x_a is in the verifying forward
+        block = torch.cat([sequence[a - first:], drafts])
+        out = runner.run(block[None], torch.tensor([block.shape[0]]), cache)
         generation.target_forwards += 1
-        verdict = out.target_ids[0, a:]  # t_0 .. t_{B-1}: the target's token after x_a, d_1, ...
+        verdict = out.target_ids[0, first:]  # t_0 .. t_{B-1}: the target's token after x_a, d_1, ...
         m = int((drafts == verdict[:-1]).long().cumprod(0).sum())
         new = _until_stop(drafts[:m].tolist() + [int(verdict[m])], stop_ids)
         generation.accepted.append(min(m, len(new)))
         generation.tokens += new
         # The features of x_a and the accepted drafts are final; the next cycle drafts after them.
         sequence = torch.cat([sequence, drafts[:m]])
-        features, predicted = out.hidden[0], verdict[m : m + 1]
+        if cache is None:
+            features = out.hidden[0]
+        else:
+            crop_cache(cache, block_size - 1 - m)  # the rejected drafts
+            features = torch.cat([features, out.hidden[0, : m + 1]])
+        predicted = verdict[m : m + 1]
     del generation.tokens[max_new_tokens:]
     return generation
 

@@ -59,6 +59,12 @@ from dflash_cache.store.staging import Uploader, default_staging
 HEAD = "target/head.safetensors"
 
 
+# Tokens per target forward by device type. A CPU runs a 135M-parameter target at a few thousand
+# tokens per second: rows of 4,096 tokens take seconds each, so progress moves row by row and the
+# CPU's warm-up row (extract/warmup.py) stays small.
+TOKEN_BUDGETS = {"cuda": 49152, "cpu": 4096}
+
+
 @dataclass
 class ExtractOptions:
     target: Path
@@ -68,7 +74,7 @@ class ExtractOptions:
     num_draft_layers: int | None = None
     codec: str = "bf16-zstd"
     gpus: list[int] | None = None  # None: every visible GPU, or the CPU when there is none
-    token_budget: int = 49152
+    token_budget: int | None = None  # tokens per target forward; None: TOKEN_BUDGETS for the device
     max_length: int = 8192
     topk: int = 0
     on_bad_sample: str = "error"
@@ -122,7 +128,7 @@ def _torchrun() -> tuple[int, int, int] | None:
 
 def _check_options(opts: ExtractOptions) -> None:
     check_codec(opts.codec)
-    if opts.token_budget < 1:
+    if opts.token_budget is not None and opts.token_budget < 1:
         raise DFlashCacheError(f"--token-budget must be positive, got {opts.token_budget}")
     if opts.max_length < 2:
         raise DFlashCacheError(f"--max-length must be at least 2, got {opts.max_length}")
@@ -201,6 +207,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         rank, world, local = dist
         devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
         rank_ids = [rank]
+    budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     remote = RemoteDir(str(opts.out)) if is_remote(opts.out) else None
     root = (Path(opts.staging) if opts.staging else default_staging(remote.url)) if remote else local_path(opts.out)
     store = remote or root  # where the journals and the manifest live
@@ -215,7 +222,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     try:
         if opts.batching != "padded" and packed_support(info.config.get_text_config()) is None and (dist is None or dist[2] == 0):
             # Rows are max(token budget, longest sample) long: the budget, unless a sample is longer.
-            warmup = start_background_warmup(Path(opts.target), PackedLayout(opts.token_budget), devices[0],
+            warmup = start_background_warmup(Path(opts.target), PackedLayout(budget), devices[0],
                                              opts.kernel_cache, info.config.get_text_config())
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
         encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
@@ -227,8 +234,8 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 f"the data files hold no samples with tokens to train on ({len(data.info.bad_records)} bad records, "
                 f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
             )
-        layout = choose_layout(info, opts.batching, opts.token_budget, opts.max_length, int(data.lengths.max()))
-        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, opts.token_budget,
+        layout = choose_layout(info, opts.batching, budget, opts.max_length, int(data.lengths.max()))
+        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, budget,
                          hash_weights=opts.hash_weights, layout=layout)
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs

@@ -15,6 +15,7 @@ from dflash_cache.extract.batch import ForwardBatch, padded_rows, to_device
 from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.target import Target
 from dflash_cache.extract.varlen import packed_kernels
+from dflash_cache.kvcache import Cache, cache_kwargs
 
 
 @dataclass
@@ -58,14 +59,15 @@ class TargetRunner:
         self.fused = fused  # packed rows through extract/fused.py's kernels where the target has them
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> TargetOutput:
-        """input_ids: [B, T] right-padded on the model's device, one sample per row; lengths: [B]."""
+    def run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: Cache | None = None) -> TargetOutput:
+        """input_ids: [B, T] right-padded on the model's device, one sample per row; lengths: [B].
+        With a `cache` (one unpadded row), the tokens continue the ones it holds, and it keeps theirs."""
         lengths = lengths.cpu().long()
         rows = torch.arange(len(lengths))
-        return self.run_batch(ForwardBatch(rows.tolist(), input_ids, lengths, rows, torch.zeros_like(rows)))
+        return self.run_batch(ForwardBatch(rows.tolist(), input_ids, lengths, rows, torch.zeros_like(rows)), cache)
 
     @torch.inference_mode()
-    def run_batch(self, fb: ForwardBatch) -> TargetOutput:
+    def run_batch(self, fb: ForwardBatch, cache: Cache | None = None) -> TargetOutput:
         """No attention mask is passed. Padded rows need none: with causal attention, and with the
         causal conv and recurrence of linear-attention layers, tokens after position t never change
         position t, so the padding tail cannot alter the real tokens. Packed rows carry their sample
@@ -87,7 +89,7 @@ class TargetRunner:
                     scope.enter_context(packed_kernels(self.target.model))
                     if self.fused:
                         scope.enter_context(fused_kernels(self.target.model))
-                out = self.target.base(input_ids=input_ids, use_cache=False, **fb.forward_kwargs())
+                out = self.target.base(input_ids=input_ids, **cache_kwargs(self.target.base, cache), **fb.forward_kwargs())
         except _StopForward:
             out = None
         finally:

@@ -87,6 +87,7 @@ class RankSummary:
     compute_s: float = 0.0
     wait_s: float = 0.0
     compile_s: float = 0.0  # the warm-up forward: kernels compiled and autotuned, or loaded from disk
+    on_gpu: bool = True  # False: the CPU, whose warm-up forward compiles nothing
 
 
 @dataclass
@@ -333,6 +334,7 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     summary.compute_s = time.perf_counter() - started
     summary.wait_s = wait_s
     summary.compile_s = compile_s
+    summary.on_gpu = on_gpu
     return summary
 
 

@@ -2,12 +2,14 @@
 
 Each regenerated assistant turn is asked for with the conversation before it: the user, system and
 tool turns as they were, and (with --turns all) the earlier assistant turns as the target has just
-written them. The reasoning of earlier turns is not sent back: serving clients do not, and chat
+written them. A prompt-only conversation (no assistant turn) gets one: the target's answer to the
+whole conversation, appended. The reasoning of earlier turns is not sent back: serving clients do not, and chat
 templates of reasoning models drop it from past turns anyway. The record keeps it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,20 +48,25 @@ class Job:
     record_id: str | None = None  # the record's own `id`, written with its answer
 
 
-def read_jobs(paths: list[str | Path]) -> Iterator[Job]:
-    """Every conversation of the data files, in order; pre-tokenized records cannot be answered again."""
-    for path in paths:
-        for record in read_records(path):
-            if not isinstance(record, Conversation):
-                raise DFlashCacheError(
-                    f"{record.where}: a pre-tokenized record; regenerate needs conversations "
-                    "({'messages': [...]} or ShareGPT) to ask the target"
-                )
-            yield Job(record.where, record.messages, record.record_id)
+def read_jobs(paths: list[str | Path], limit: int | None = None) -> Iterator[Job]:
+    """Every conversation of the data files (the first `limit` of them), in order; pre-tokenized
+    records cannot be answered again."""
+    records = (record for path in paths for record in read_records(path, prompts=True))
+    for record in itertools.islice(records, limit):
+        if not isinstance(record, Conversation):
+            raise DFlashCacheError(
+                f"{record.where}: a pre-tokenized record; regenerate needs conversations "
+                "({'messages': [...]} or ShareGPT) to ask the target"
+            )
+        yield Job(record.where, record.messages, record.record_id)
 
 
 def turns_to_regenerate(messages: list[dict], turns: str) -> list[int]:
+    """Indices of the assistant turns to answer again; for a prompt-only conversation, [len(messages)]:
+    a turn appended after it."""
     assistant = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if not assistant:
+        return [len(messages)]
     return assistant if turns == "all" else assistant[-1:]
 
 
@@ -82,6 +89,6 @@ def regenerate_conversation(messages: list[dict], turns: str,
     completions = []
     for index in turns_to_regenerate(messages, turns):
         completion = complete(request_messages(out[:index]))
-        out[index] = completion.message()
+        out[index:index + 1] = [completion.message()]
         completions.append(completion)
     return out, completions

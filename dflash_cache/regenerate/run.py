@@ -1,6 +1,6 @@
 """`regenerate`: every conversation of the data files answered again by the target, written to JSONL.
 
-    data files -> conversations not yet in the output -> a bounded queue -> N worker threads, each
+    data files (the first --limit conversations) -> conversations not yet in the output -> a bounded queue -> N worker threads, each
     regenerating one conversation at a time (one request per assistant turn, in order) -> the main
     thread appends each finished record, as one fsynced line, in the order they finish
 
@@ -47,6 +47,7 @@ class RegenerateOptions:
     on_error: str = "error"  # a request that keeps failing: "error" stops the run, "skip" skips its record
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     limits: AnswerLimits = field(default_factory=AnswerLimits)  # the bytes and seconds an answer may take
+    limit: int | None = None  # only the first N conversations of the data files (None: all)
 
 
 @dataclass
@@ -75,6 +76,8 @@ def _check(opts: RegenerateOptions) -> None:
         raise DFlashCacheError("--gpus is for --target; a server chooses its own GPUs")
     if opts.concurrency < 1:
         raise DFlashCacheError(f"--concurrency must be at least 1, not {opts.concurrency}")
+    if opts.limit is not None and opts.limit < 1:
+        raise DFlashCacheError(f"--limit must be at least 1, not {opts.limit}")
     if opts.on_error not in ("error", "skip"):
         raise DFlashCacheError(f"--on-error must be error or skip, not {opts.on_error!r}")
     resolved = [Path(p).resolve() for p in opts.data]
@@ -103,7 +106,7 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
     started = time.perf_counter()
     _check(opts)
     settings = opts.settings
-    sources = [job.source for job in read_jobs(opts.data)]  # reads (and checks) every record before any request
+    sources = [job.source for job in read_jobs(opts.data, opts.limit)]  # reads (and checks) every record before any request
     summary = RegenerateSummary()
     stopping = threading.Event()
     with ResponsesFile(opts.out, settings) as out:
@@ -120,7 +123,7 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
         workers = min(opts.concurrency, todo)
 
         def feed() -> None:
-            pending = (job for job in read_jobs(opts.data) if job.source not in out.done)
+            pending = (job for job in read_jobs(opts.data, opts.limit) if job.source not in out.done)
             try:
                 for item in itertools.chain(pending, [None] * workers):  # then one end mark per worker
                     while not _put(jobs, item):

@@ -12,7 +12,7 @@ from dflash_cache.drafter.config import (
     adapt_to_cache,
     load_drafter_config,
 )
-from dflash_cache.drafter.defaults import TARGET, target_drafter_config
+from dflash_cache.drafter.defaults import TARGET, choose_mask_token, target_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
@@ -37,10 +37,15 @@ def tokenizer_mask_token(target_dir: Path) -> int | None:
 def drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tuple[DrafterConfig, list[str]]:
     """The drafter config fitted to the target of a cache spec (`target`: the target's own shape; a preset
     adapts; a JSON file must already match), and one line per change. The mask token is the tokenizer's
-    if it declares one."""
+    if it declares one; the target's own shape otherwise gets one chosen for it (`choose_mask_token`)."""
     mask = tokenizer_mask_token(tokenizer_dir)
     if str(name_or_path) == TARGET:
-        return target_drafter_config(tokenizer_dir, spec["layer_ids"], mask), []
+        if mask is not None:
+            return target_drafter_config(tokenizer_dir, spec["layer_ids"], mask), []
+        chosen = choose_mask_token(tokenizer_dir, spec["target"]["vocab_size"])
+        name = f" {chosen.text!r}" if chosen.text else ""
+        note = f"mask token {chosen.id}{name}: {chosen.why} (the tokenizer declares no mask token)"
+        return target_drafter_config(tokenizer_dir, spec["layer_ids"], chosen.id, chosen.text), [note]
     config = load_drafter_config(name_or_path)
     return adapt_to_cache(config, target_hidden_size=spec["target"]["hidden_size"],
                           vocab_size=spec["target"]["vocab_size"],
