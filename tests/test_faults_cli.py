@@ -82,7 +82,7 @@ def test_train_options_out_of_range(tmp_path, options, message):
 def test_a_drafter_block_size_below_two(tmp_path, block_size):
     cache, drafter = make_cache(tmp_path / "cache"), drafter_json(tmp_path / "drafter.json", block_size=block_size)
     one_line_error(*cli("train", "--cache", cache, "--drafter", drafter, "--out", tmp_path / "run"),
-                   "block_size must be at least 2")
+                   "block_size must be an integer from 2 to 256")
     assert not (tmp_path / "run").exists()
 
 

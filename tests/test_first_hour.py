@@ -66,7 +66,7 @@ def test_the_whole_job_with_default_options(tmp_path):
     opened = open_cache(cache)
     assert opened["oa-0"].sample_id == 0 and opened["3"].sample_id == 3 and opened[4].record_id == "oa-4"
     assert ("drafter (the target's shape): 5 layers, hidden 256, FFN 768, 4 heads / 2 KV heads of 64, block 16, "
-            "reading target layers [0, 1, 2, 3]: 4.20M parameters") in trained
+            "mask token 3, reading target layers [0, 1, 2, 3]: 4.20M parameters") in trained
     assert "9 to train on, 1 held out" in trained and "steps of 2,048 tokens per batch" in trained
     assert "memory: about " in trained and " of RAM available" in trained
     assert "step 5/5 | loss" in trained and "0.0k tok/s" not in trained and "eval @ step 5" in trained

@@ -345,6 +345,13 @@ def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
     assert len(set(map(len, expected))) > 1  # the rows did finish at different steps
     assert [a.content for a in answers] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
 
+    # A generation config that adjusts the logits (a repetition penalty) is honoured, as `generate` does it.
+    replica.model.generation_config.repetition_penalty = model.generation_config.repetition_penalty = 1.5
+    penalised = [alone(p, ends) for p in prompts]
+    assert penalised != expected
+    assert [a.content for a in replica.generate(prompts, GenerationSettings(max_tokens=16), "m")] == [
+        tokenizer.decode(e, skip_special_tokens=True) for e in penalised]
+
 
 @pytest.mark.slow
 def test_kill_9_part_way_then_rerun_gives_the_uninterrupted_file(tmp_path, transformers_serve):

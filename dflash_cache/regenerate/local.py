@@ -4,7 +4,8 @@ One replica per device (`--gpus`, or the CPU), each answering requests from a sh
 own thread. A replica takes every request waiting (up to `MAX_BATCH`) and generates them together:
 prompts of like length are grouped and left-padded, the attention mask and position ids leaving
 each row's answer the one that row would get alone. Greedy decoding drops each row from the batch
-as it finishes (sampling runs through `generate`, whose batch keeps every row to the end). A request
+as it finishes (sampling, and greedy decoding under a generation config that adjusts the logits,
+run through `generate`, whose batch keeps every row to the end). A request
 is rendered and generated the way `transformers serve` does it: the chat template with the
 generation prompt and the model's own generation config (greedy at temperature 0, its end-of-turn
 token). The reply is split into content, reasoning and tool calls by the tokenizer's response
@@ -18,12 +19,13 @@ import copy
 import json
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.extract.info import read_target_info
@@ -34,7 +36,13 @@ from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 
 MAX_BATCH = 16  # conversations generated together by one replica
+GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)
 THINK = ("<think>", "</think>")
+# Generation settings that change which token greedy decoding picks (through `generate`'s logits processors).
+LOGITS_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                   "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                   "sequence_bias", "exponential_decay_length_penalty", "encoder_repetition_penalty",
+                   "encoder_no_repeat_ngram_size", "guidance_scale", "renormalize_logits")
 
 
 class _Stopped(StoppingCriteria):
@@ -69,8 +77,9 @@ class _Replica:
                                                   **settings.template_kwargs())["input_ids"]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], settings: GenerationSettings, model_name: str) -> list[Completion]:
-        """Every prompt answered, as one left-padded batch."""
+    def generate(self, prompts: list[list[int]], settings: GenerationSettings, model_name: str,
+                 on_answer: Callable[[int, Completion], None] = lambda i, completion: None) -> list[Completion]:
+        """Every prompt answered, as one left-padded batch; `on_answer(i, completion)` as soon as prompt i's is."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = settings.max_tokens
         config.do_sample = settings.temperature > 0
@@ -82,23 +91,29 @@ class _Replica:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        if config.do_sample:
+        completions: dict[int, Completion] = {}
+
+        def done(i: int, generated: list[int]) -> None:
+            content, reasoning, tool_calls = self._parse(generated, prompts[i])
+            finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
+            completions[i] = Completion(content, reasoning, tool_calls, finish, len(generated), model_name)
+            on_answer(i, completions[i])
+
+        if config.do_sample or not _plain_greedy(config):
             output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                          stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
-            rows = [_until(row, stops) for row in output[:, width:].tolist()]
+            for i, row in enumerate(output[:, width:].tolist()):
+                done(i, _until(row, stops))
         else:
-            rows = self._greedy(ids, mask, settings.max_tokens, stops)
-        completions = []
-        for prompt, generated in zip(prompts, rows):
-            content, reasoning, tool_calls = self._parse(generated, prompt)
-            finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
-            completions.append(Completion(content, reasoning, tool_calls, finish, len(generated), model_name))
-        return completions
+            self._greedy(ids, mask, settings.max_tokens, stops, done)
+        return [completions[i] for i in sorted(completions)]
 
-    def _greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int, stops: set[int]) -> list[list[int]]:
+    def _greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int, stops: set[int],
+                done: Callable[[int, list[int]], None]) -> None:
         """Greedy decoding as `generate` does it (positions counted from each row's first real token,
-        padding masked out), except that a row that has finished leaves the batch and its cache: the
-        others no longer wait on the longest answer's steps at the full batch size."""
+        padding masked out), except that a row that has finished leaves the batch and its cache, and
+        is handed to `done(row, tokens)` at once: the others no longer wait on the longest answer's
+        steps at the full batch size. A stopped run hands over nothing more."""
         rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
         alive = torch.arange(ids.shape[0], device=ids.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -107,12 +122,16 @@ class _Replica:
         while True:
             tokens = out.logits[:, -1].argmax(-1)
             keep = []
+            if self.stop.is_set():
+                return
             for i, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist())):
                 rows[row].append(token)
                 if token not in stops and len(rows[row]) < max_new:
                     keep.append(i)
-            if not keep or self.stop.is_set():
-                return rows
+                else:
+                    done(row, rows[row])
+            if not keep:
+                return
             if len(keep) < len(alive):
                 kept = torch.tensor(keep, device=ids.device)
                 cache.batch_select_indices(kept)
@@ -146,6 +165,13 @@ class _Replica:
         return content, reasoning or None, None
 
 
+def _plain_greedy(config: GenerationConfig) -> bool:
+    """Whether greedy decoding under `config` is the argmax of the logits as they are: no setting
+    that `generate` turns into a logits processor differs from its default."""
+    default = GenerationConfig()
+    return all(getattr(config, name, None) == getattr(default, name, None) for name in LOGITS_SETTINGS)
+
+
 def _until(row: list[int], stops: set[int]) -> list[int]:
     """A generated row up to its end-of-turn token: what follows is padding of the batch."""
     return row[:next((i + 1 for i, token in enumerate(row) if token in stops), len(row))]
@@ -170,14 +196,15 @@ class LocalTarget:
             thread.start()
 
     def _take(self) -> list[_Request] | None:
-        """The next request and every other one already waiting, up to max_batch; None at the end."""
+        """The next request and every other one arriving within GATHER_S of the last, up to max_batch;
+        None at the end."""
         first = self._queue.get()
         if first is None:
             return None
         taken = [first]
         while len(taken) < self.max_batch:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(timeout=GATHER_S)
             except queue.Empty:
                 break
             if item is None:  # an end mark for a replica: left for the next take
@@ -202,7 +229,11 @@ class LocalTarget:
         try:
             if self._stop.is_set():
                 raise RequestFailed(f"{replica.device}: the run was stopped")
-            completions = replica.generate([prompt for _, prompt in batch], batch[0][0].settings, self.name)
+            def answer(i: int, completion: Completion) -> None:
+                if not self._stop.is_set():
+                    batch[i][0].future.set_result(completion)
+
+            replica.generate([prompt for _, prompt in batch], batch[0][0].settings, self.name, answer)
             if self._stop.is_set():  # cut short: not an answer
                 raise RequestFailed(f"{replica.device}: the run was stopped")
         except RequestFailed as e:
@@ -211,8 +242,6 @@ class LocalTarget:
             return _fail(batch, RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}"))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting requests, never lost with the thread
             return _fail(batch, e)
-        for (request, _), completion in zip(batch, completions):
-            request.future.set_result(completion)
 
     def complete(self, messages: list[dict], settings: GenerationSettings, lane: int) -> Completion:
         future: Future = Future()
@@ -231,4 +260,5 @@ class LocalTarget:
 
 def _fail(batch: list[tuple[_Request, list[int]]], error: BaseException) -> None:
     for request, _ in batch:
-        request.future.set_exception(error)
+        if not request.future.done():  # an answer handed over before the failure stands
+            request.future.set_exception(error)

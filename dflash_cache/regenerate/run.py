@@ -46,8 +46,8 @@ class RegenerateOptions:
     concurrency: int = 64  # requests in flight (conversations being regenerated at once)
     on_error: str = "error"  # a request that keeps failing: "error" stops the run, "skip" skips its record
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    limit: int | None = None  # only the first N conversations of the data files (None: all)
     limits: AnswerLimits = field(default_factory=AnswerLimits)  # the bytes and seconds an answer may take
+    limit: int | None = None  # only the first N conversations of the data files (None: all)
 
 
 @dataclass
