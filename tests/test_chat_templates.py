@@ -102,6 +102,8 @@ REFUSALS = {("gemma2", "system_multi"): "System role not supported",
 QWEN_CLOSE = "\n</think>\n\n"  # the generation prompt opens the think block; the model closes it
 GPT_FINAL = "<|channel|>final<|message|>"
 EOS_DS = "<｜end▁of▁sentence｜>"
+# Templates that concatenate a tool call's arguments as a string (`+ tool['function']['arguments'] +`)
+TEXT_ARGUMENTS = {"deepseek-r1-distill", "deepseek-v3.1", "deepseek-r1-distill-llama"}
 EXPECTED = {
     "qwen3": {
         "single": [QWEN_CLOSE + "Hello there.<|im_end|>"],
@@ -355,13 +357,31 @@ def test_mask_of_every_case(family, case):
             encode(tokenizer, CASES[case])
         return
     messages, tools, encoded = encode(tokenizer, CASES[case])
+    expected, notes = EXPECTED[name][case], UNFAITHFUL.get((name, case), [])
+    if (name, case) == ("deepseek-r1-distill-llama", "tools") and not keeps_null_values(tokenizer):
+        # Its tool calls render only under a null content, which this transformers leaves out of the messages.
+        expected, notes = ["Sunny." + EOS_DS], ["the template does not render the tool call of assistant turn 1",
+                                                "assistant turn 1 is not rendered",
+                                                "the prompt of assistant turn 1 is not a prefix of the conversation"]
+    assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == expected
+    assert [*encoded.dropped, *encoded.unfaithful] == notes
+    assert encoded.dropped == [n for n in notes if "not render" in n]
+    if encoded.dropped:
+        return
+    if name in TEXT_ARGUMENTS:
+        messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": str(c["function"]["arguments"])}}
+                                         for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     try:
         reference = tokenizer.apply_chat_template(messages, tools=tools)["input_ids"]
     except (TypeError, UndefinedError):  # templates that refuse a null content get "" (gpt-oss, QwQ)
         reference = tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages], tools=tools)["input_ids"]
     assert encoded.input_ids == list(reference)
-    assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == EXPECTED[name][case]
-    assert encoded.unfaithful == UNFAITHFUL.get((name, case), [])
+
+
+def keeps_null_values(tokenizer) -> bool:
+    """Whether apply_chat_template hands a template the keys whose value is None."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": None}], tokenize=False,
+                                         chat_template="{{ messages[0].content is none }}") == "True"
 
 
 def test_templates_own_refusals_stay_errors():
