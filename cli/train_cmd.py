@@ -88,9 +88,10 @@ from dflash_cache.train.config import TrainConfig
                    "each sample by byte ranges).")
 @click.option("--local-cache-size", type=float,
               help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
-@click.option("--max-open-shards", type=int, default=DEFAULT_MAX_OPEN_SHARDS, show_default=True,
-              help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
-                   "and one memory map each, whatever the number of shards.")
+@click.option("--max-open-shards", type=int,
+              help=f"Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
+                   f"and one memory map each, whatever the number of shards (default: {DEFAULT_MAX_OPEN_SHARDS}, or a "
+                   f"quarter of `ulimit -n` where that is lower).")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
             grad_accum, max_anchors, anchors_per_batch, gamma, labels, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
             seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash_cache import faults
 from dflash_cache.batch import FeatureBatch
+from dflash_cache.store.pool import default_pool_size
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
@@ -140,6 +141,8 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
         checkpoint, lock = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         for note in notes:
             echo(f"drafter config: {note}")
+        if cfg.max_open_shards is None and (pool_note := default_pool_size()[1]):
+            echo(pool_note)
         echo(describe_drafter(config))
         echo(f"{source.describe()}: {len(train_keys)} to train on, "
              f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
