@@ -127,8 +127,15 @@ def encode_conversation(
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in assistant:
         mine = [(s, e, f) for s, e, f in spans if f.message == i]
-        if not mine:
-            dropped.append(f"assistant turn {i} is not rendered")
+        if not mine:  # every field left out (SmolLM3 renders a tool-call turn as its markup alone)
+            before = max((e for s, e, f in spans if f.message < i), default=0)
+            after = min((s for s, e, f in spans if f.message > i), default=len(full))
+            start = _turn_opening(full, before, after, template.turn_openers)
+            eot, end = (None, None) if start is None else _turn_end(full, start, after, template.end_of_turn)
+            if start is None or eot == end:
+                dropped.append(f"assistant turn {i} is not rendered")
+            else:
+                turns.append((start, eot, end, []))
             continue
         before = max((e for s, e, f in spans if f.message != i and e <= mine[0][0]), default=0)
         after = min((s for s, e, f in spans if f.message != i and s >= mine[-1][1]), default=len(full))
@@ -381,6 +388,16 @@ def _turn_start(full: str, before: int, first: int, openers: tuple[str, ...]) ->
         if at >= 0:
             return at + len(opener)
     return first
+
+
+def _turn_opening(full: str, before: int, after: int, openers: tuple[str, ...]) -> int | None:
+    """Where a turn with no rendered field starts: after the first generation prompt between the
+    fields around it."""
+    for opener in openers:
+        at = full.find(opener, before, after)
+        if at >= 0:
+            return at + len(opener)
+    return None
 
 
 def _turn_end(full: str, last: int, after: int, ends: tuple[str, ...]) -> tuple[int, int]:
