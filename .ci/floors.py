@@ -4,8 +4,9 @@ CI's "oldest" leg installs with these, so the floors pyproject states are the ve
 """
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*)$")
 

@@ -1,4 +1,4 @@
-"""The coupled baseline against training from a cache: drafter training tokens/s on two GPUs (issue 10).
+"""The coupled baseline against training from a cache: drafter training tokens/s on two GPUs.
 
     PYTHONPATH=. python benchmarks/coupled.py [--shape qwen3-8b] [--drafter qwen3.6-27b] [--tokens 16384]
                                               [--warmup 4] [--steps 20] [--json FILE]

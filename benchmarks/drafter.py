@@ -2,7 +2,7 @@
 
     python benchmarks/drafter.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
                                  [--modes plain,eager,compiled] [--steps 10] [--tile 128] [--compile-mode M] [--json FILE] [--profile DIR]
-                                 [--peer "env LOSS_IMPL=eager SHAPE=27b python3 ../shared/peer/speculators_dflash_step.py"]
+                                 [--peer "env LOSS_IMPL=eager SHAPE=27b python3 speculators_dflash_step.py"]
 
 The step is what `dflash-cache train` runs: bf16 autocast, forward (flex attention, fused chunked LM-head
 cross-entropy), backward, gradient clipping at 1.0 inside train's compiled AdamW, whose fp32 masters the
@@ -10,18 +10,19 @@ drafter's bf16 matrices copy (train/optim.py: build_optimizer, clipped_step).
 Modes: eager (what `train` runs without --compile: on a GPU the decoder layers, context projection and
 loss math are regions compiled for dynamic shapes), plain (eager without the regions: the module as
 written, only flex-attention compiled) and compiled (`train --compile`: the whole drafter, padded).
---peer runs the peer's step first, in its own process, with this run's T and MAX_ANCHORS, and prints
-each mode's tokens/s as a ratio to the peer's real tokens/s.
-Batches are the peer's own two (../shared/peer; `peer_batches`): packed samples of 1000-4000 tokens
+--peer runs a script of speculators 0.9.0's DFlash training step first (a command that reads T and MAX_ANCHORS
+from its environment and prints one JSON line), in its own process, with this run's T and MAX_ANCHORS,
+and prints each mode's tokens/s as a ratio to that step's real tokens/s.
+Batches are that script's own two (`peer_batches`): packed samples of 1000-4000 tokens
 up to --tokens, the first 10-30% of each sample outside the loss mask, random hidden states and
-token ids, the same samples as the peer draws; --anchors anchors per batch; the two alternate.
-tokens/s counts the batches' real tokens, to be set beside the peer's real_tokens_per_s (its
+token ids, the same samples as it draws; --anchors anchors per batch; the two alternate.
+tokens/s counts the batches' real tokens, to be set beside its real_tokens_per_s (its
 tokens_per_s counts the padding to T as well).
 
-MFU counts the useful matmul and attention FLOPs of a step (the same terms as the peer's script,
+MFU counts the useful matmul and attention FLOPs of a step (the same terms as speculators 0.9.0's script,
 minus its second LM-head pass, which this drafter does not make because the cache stores the
-target's argmax, and with the LM head over the B - 1 predicted rows of a block where the peer's
-script counts B; sessions up to 11 counted B too, 1.3 points of MFU more) against --peak-tflops.
+target's argmax, and with the LM head over the B - 1 predicted rows of a block where that
+script counts B, 1.3 points of MFU more) against --peak-tflops.
 Mask building (BlockMask for both layer types), which the eager modes do between their kernels, is
 timed on its own and reported as a share of the step; the compiled drafter builds its masks inside
 its graph.
@@ -36,8 +37,8 @@ import shlex
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -51,15 +52,14 @@ from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.train.optim import build_optimizer, clipped_step, gradient_norm
 
-
-PEER_SEED = 1234  # ../shared/peer/speculators_dflash_step.py's generator seed
+PEER_SEED = 1234  # the generator seed of speculators 0.9.0's step script
 
 
 def peer_batches(config, tokens: int, device: str, count: int = 2) -> list[FeatureBatch]:
-    """The peer's batches, sample for sample: its packing (whole samples of 1000-4000 tokens while
+    """The batches of speculators 0.9.0's step script, sample for sample: its packing (whole samples of 1000-4000 tokens while
     they fit in `tokens`; the first 10-30% of each outside the loss mask) and its random hidden states
     and token ids, drawn from one generator with its seed in its order, its verifier states included
-    so that the next batch draws the same. Token counts per step then match the peer's exactly."""
+    so that the next batch draws the same. Token counts per step then match its exactly."""
     g, targets = torch.Generator().manual_seed(PEER_SEED), torch.Generator().manual_seed(PEER_SEED + 1)
     return [_peer_batch(config, tokens, g, targets).to(device) for _ in range(count)]
 
@@ -81,7 +81,7 @@ def _peer_batch(config, tokens: int, g: torch.Generator, targets: torch.Generato
         mask[start + prompt : start + n] = True
         start += n
     hidden = torch.randn(total, len(config.target_layer_ids) * config.target_hidden_size, generator=g).bfloat16()
-    torch.randn(total, config.target_hidden_size, generator=g)  # the peer's verifier states: drawn, not used
+    torch.randn(total, config.target_hidden_size, generator=g)  # the script's verifier states: drawn, not used
     return FeatureBatch(
         sample_ids=list(range(len(lengths))),
         input_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=g),
@@ -107,7 +107,7 @@ def step_flops(config, batch: FeatureBatch, anchors: torch.Tensor) -> float:
     attention = sum(4 * nh * d * pairs[kind] for kind in config.layer_types)
     layers_fwd = config.num_hidden_layers * per_layer + attention
     fc = 2 * t * len(config.target_layer_ids) * config.target_hidden_size * h
-    lm_head = 2 * a * (b - 1) * h * v  # the rows predicted: 15 of a block's 16 (the peer's script counts 16)
+    lm_head = 2 * a * (b - 1) * h * v  # the rows predicted: 15 of a block's 16 (speculators' script counts 16)
     # layers: forward + 2x backward; fc: forward + weight gradient; frozen LM head: forward + input gradient
     return 3 * layers_fwd + 2 * fc + 2 * lm_head
 
@@ -140,7 +140,7 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
 def drafter_step(config, device: str, mode: str, tokens: int, anchor_budget: int, tile: int = 128,
                  compile_mode: str | None = None) -> tuple[Callable[[int], torch.Tensor], DFlashDrafter,
                                                            list[FeatureBatch], list[torch.Tensor]]:
-    """(step k -> its loss, the drafter, the peer's two batches, their anchors): train_step on batch k % 2
+    """(step k -> its loss, the drafter, peer_batches' two batches, their anchors): train_step on batch k % 2
     for a random drafter of `config` run in `mode` (plain, eager or compiled)."""
     model, optimizer = random_drafter(config, device, tile)
     runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=tokens, anchor_budget=anchor_budget,
@@ -221,7 +221,7 @@ def run_mode(mode: str, args, config, device: str) -> dict:
 
 
 def run_peer(command: str, tokens: int, anchors: int) -> dict:
-    """The peer's JSON line, from `command` run with T and MAX_ANCHORS set to ours. The process is
+    """The JSON line of a speculators step script, from `command` run with T and MAX_ANCHORS set to ours. The process is
     stopped once it has printed that line (it was seen to linger a minute after printing it)."""
     env = {**os.environ, "T": str(tokens), "MAX_ANCHORS": str(anchors)}
     proc = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, text=True, env=env)
@@ -232,7 +232,7 @@ def run_peer(command: str, tokens: int, anchors: int) -> dict:
                 result = json.loads(line)
                 if "real_tokens_per_s" in result:
                     return result
-        raise SystemExit(f"the peer printed no result line (exit {proc.poll()}): {command}")
+        raise SystemExit(f"the speculators step printed no result line (exit {proc.poll()}): {command}")
     finally:
         proc.kill()
         proc.wait()
@@ -261,7 +261,7 @@ def main() -> None:
                              "max-autotune-no-cudagraphs: Inductor's autotuning, flex-attention's included)")
     parser.add_argument("--tile", type=int, default=128,
                         help="BlockMask tile size (train uses 128; smaller tiles cover fewer masked-out pairs)")
-    parser.add_argument("--peer", default=None, help="the peer's command, run first (T and MAX_ANCHORS are set to ours)")
+    parser.add_argument("--peer", default=None, help="a command running speculators 0.9.0's step, run first (T and MAX_ANCHORS are set to ours)")
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     results = []
@@ -276,7 +276,7 @@ def main() -> None:
         results.append(result)
         if peer:
             result["vs_peer"] = result["tokens_per_s"] / peer["real_tokens_per_s"]
-        ratio = f" = {result['vs_peer']:.3f}x the peer" if peer else ""
+        ratio = f" = {result['vs_peer']:.3f}x speculators" if peer else ""
         masks = ("masks in the graph" if mode == "compiled"
                  else f"masks {result['mask_ms']:.2f} ms ({result['mask_share']:.1%} of the step)")
         print(f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s{ratio}  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "

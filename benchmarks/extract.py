@@ -32,12 +32,12 @@ from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner, padded_batch
-from dflash_cache.extract.fused import fused_kernels
+from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.varlen import packed_kernels
 from dflash_cache.extract.warmup import compile_threads, parallel_autotune
-from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The first hour (issue 20): every command of the README's "On a CPU, with a small target" with its
+# The first hour: every command of the README's "On a CPU, with a small target" with its
 # defaults, timed one by one, the load average before each. Usage: benchmarks/first_hour.sh WORK_DIR
 # (emptied first); runs the dflash-cache of the Python in $PYTHON (default: python).
 set -u

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/flex_configs.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512]
                  [--tiles 128,64] [--options '{}' '{"USE_TMA": true}'] [--autotune] [--groups 1,4]
 
-One decoder layer's attention of each kind (sliding, full) on the peer's first batch (benchmarks/drafter.py
+One decoder layer's attention of each kind (sliding, full) on the first batch of speculators 0.9.0's step script (benchmarks/drafter.py
 `peer_batches`) at the preset's head counts and head size, bf16, compiled for static shapes as the compiled
 drafter runs it. For each tile size and each kernel-options dict (flex_attention's `kernel_options`;
 keys prefixed bwd_ apply to the backward), the mean forward and backward milliseconds over --iters.
@@ -33,7 +33,7 @@ from dflash_cache.drafter.masks import BlockLayout, _ordered, block_mask, visibl
 
 def rule_mask_mod(layout: BlockLayout, window: int | None, group: int):
     """The mask function as the rule itself (masks.visible: three loads per key), which the drafter's
-    BlockMasks ran up to session 16, in place of their interval form."""
+    BlockMasks ran before their interval form."""
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(layout, q_idx // group, kv_idx, window)
     return mask_mod

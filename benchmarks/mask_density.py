@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/mask_density.py [--preset qwen3.6-27b] [--tokens 16384] [--anchors 512] [--tiles 128,64]
                                                    [--groups 1,4]
 
-On the peer's two batches (benchmarks/drafter.py `peer_batches`), for each layer type and tile size:
+On the two batches of speculators 0.9.0's step script (benchmarks/drafter.py `peer_batches`), for each layer type and tile size:
 the tiles flex-attention computes (partial tiles run the mask function, full tiles skip it), the
 (query, key) pairs those tiles hold, the pairs the attention rule lets through (counted on the dense
 mask, `drafter/masks.py` `dense_mask`), and their ratio, over all query heads. --groups: rows per query

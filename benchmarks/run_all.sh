@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU benchmark in one call, then one table.
 #   OUT=bench_out bash benchmarks/run_all.sh [PEER_SCRIPT]
-# PEER_SCRIPT: ../shared/peer/speculators_dflash_step.py (needs the wheels of ../shared/peer/wheels.txt);
-# it runs beside our drafter at the same shape, tokens and anchors, and is skipped when not given.
+# PEER_SCRIPT: a script of speculators 0.9.0's DFlash training step (reads T and MAX_ANCHORS, prints one JSON
+# line); it runs beside our drafter at the same shape, tokens and anchors, and is skipped when not given.
 # One GPU: everything in turn. Two or more: first the coupled baseline on GPUs 0 and 1, then the
-# extraction benchmarks on GPU 0 while the drafter, peer and training benchmarks run on GPU 1 (each
-# ratio is still measured side by side within one process on one GPU, the peer on our drafter's GPU).
-# Measured on two H200s (run 3, 2026-11-30): coupled 128 s, then extraction 8B 159 s + hybrid 134 s
-# on GPU 0 beside drafter 149 s + peer 108 s + training 122 s on GPU 1: 537 s with the installs.
-# On one GPU the phases run in turn: by these times about 11 minutes, without the coupled row (it needs two).
+# extraction benchmarks on GPU 0 while the drafter, speculators and training benchmarks run on GPU 1
+# (each ratio is still measured side by side within one process on one GPU, speculators on our drafter's GPU).
+# On one GPU the phases run in turn, without the coupled row (it needs two).
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"

@@ -8,7 +8,7 @@
    tokenized-data cache with 1 process, 2 and every core: tokens/s, and the factor over one process.
 2. For each size N: a synthetic pre-tokenized Arrow file of N samples, lengths lognormal around 2,600
    tokens (median 2,600, sigma 0.6, cut to 1..8192). `extract` runs as each of --world torchrun ranks
-   in turn (RANK/WORLD_SIZE set, one process at a time: the machine has 2 cores), and once as a single
+   in turn (RANK/WORLD_SIZE set, one process at a time, so that few cores suffice), and once as a single
    process, up to the point where the worker would load the target: the plan is made and the rank's
    samples are ready (the worker's first pass over them, the sizes of its batches, is done, and the
    first batch's tokens are read). The target's loading is left out. Reported per rank: seconds from

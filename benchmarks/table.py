@@ -1,4 +1,4 @@
-"""Print the table of BENCHMARKS.md from the JSON files that benchmarks/run_all.sh writes.
+"""Print one table of the figures in the JSON files that benchmarks/run_all.sh writes.
 
     python benchmarks/table.py OUT_DIR
 """

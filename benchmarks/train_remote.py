@@ -12,7 +12,7 @@ byte ranges (one request per sample), and (c) S3 with whole shards fetched into 
 The server is moto's, written in Python: a real object store serves more bandwidth, so (b) is a
 lower bound on what S3 gives. Moto answers a range request by reading and copying the whole object,
 so the cache is written in shards of 64 MB (extraction's default is 512 MB): with 1 GB shards every
-sample read copies a gigabyte, and a run of 4 batches did not finish in 100 s on an H200 host.
+sample read copies a gigabyte, and even a run of 4 batches takes minutes.
 """
 
 from __future__ import annotations

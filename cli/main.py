@@ -9,6 +9,7 @@ import sys
 import click
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.terminate import Terminated
 
 
 # Command modules import only click and light option values at the top; each command imports the
@@ -34,6 +35,9 @@ class Group(click.Group):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("error: terminated", err=True)
+            sys.exit(143)
         except Exception as e:  # noqa: BLE001 - every failure must end as one readable line
             if ctx.obj and ctx.obj.get("debug"):
                 raise

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from dflash_cache.regenerate.run import RecordDone, RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import REASONING, TURNS, GenerationSettings
+from dflash_cache.terminate import sigterm_raises
 from dflash_cache_cli.options import INT_LIST
 
 LOG_EVERY_S = 30.0  # a plain progress line this often when stderr is not a terminal
@@ -94,8 +95,9 @@ def command(data, out, servers, target, gpus, max_tokens, temperature, concurren
                              settings=settings, concurrency=concurrency, on_error=on_error)
     progress: list[Progress] = []
     try:
-        summary = regenerate(opts, on_start=lambda todo, done: progress.append(Progress(todo, done)) if todo else None,
-                             on_record=lambda record: progress[0].update(record))
+        with sigterm_raises():  # so that a run killed before its first record leaves no --out file
+            summary = regenerate(opts, on_start=lambda todo, done: progress.append(Progress(todo, done)) if todo else None,
+                                 on_record=lambda record: progress[0].update(record))
     finally:
         for p in progress:
             p.close()

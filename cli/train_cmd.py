@@ -1,8 +1,9 @@
 import click
-from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
+from dflash_cache.choices import LOSSES
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.train.config import TrainConfig
+from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 
 @click.command("train")
@@ -63,6 +64,14 @@ from dflash_cache.train.config import TrainConfig
               help="Loss weight of block slot k is exp(-(k-1)/gamma).")
 @click.option("--labels", type=click.Choice(["target", "tokens"]), default="target", show_default=True,
               help="Train on the target's own next-token predictions, or on the data's tokens.")
+@click.option("--loss", type=click.Choice(LOSSES), default=TrainConfig.loss, show_default=True,
+              help="Training objective. dflash: cross-entropy against the labels, slot k weighted exp(-(k-1)/gamma). "
+                   "dpace: the same cross-entropy weighted by D-PACE's confidence-derived slot weights (see "
+                   "--dpace-alpha). topk: distil the target's top-K distribution, as a cache extracted with --topk K "
+                   "stores it (renormalised over the K tokens), slots weighted as dflash weighs them.")
+@click.option("--dpace-alpha", type=float, default=TrainConfig.dpace_alpha, show_default=True,
+              help="With --loss dpace: each slot's confidence q counts as alpha + (1 - alpha) * q, in (0, 1]; 1 weighs "
+                   "every slot by the counted slots from it on.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Run the drafter under torch.compile, batches padded to a fixed size (one graph): the token "
                    "budget, and the most blocks a batch of the plan can get (--anchors-per-batch caps it). Faster "
@@ -93,7 +102,7 @@ from dflash_cache.train.config import TrainConfig
                    f"and one memory map each, whatever the number of shards (default: {DEFAULT_MAX_OPEN_SHARDS}, or a "
                    f"quarter of `ulimit -n` where that is lower).")
 def command(caches, live_target, data, layers, num_draft_layers, target_gpus, max_length, exact_target, out, drafter, gpus, epochs, steps, token_budget, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-            grad_accum, max_anchors, anchors_per_batch, gamma, labels, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
+            grad_accum, max_anchors, anchors_per_batch, gamma, labels, loss, dpace_alpha, compile_, eval_fraction, eval_every, save_every, keep_last, log_every, resume,
             seed, prefetch, workers, skip_nonfinite, collective_timeout, local_cache, local_cache_size, max_open_shards):
     """Train a DFlash drafter from one or more caches, with no target model loaded.
 
@@ -111,6 +120,7 @@ def command(caches, live_target, data, layers, num_draft_layers, target_gpus, ma
         out=out, drafter=drafter, gpus=gpus, epochs=epochs, steps=steps,
         token_budget=token_budget, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
         grad_clip=grad_clip, grad_accum=grad_accum, max_anchors=max_anchors, anchors_per_batch=anchors_per_batch, gamma=gamma, labels=labels,
+        loss=loss, dpace_alpha=dpace_alpha,
         compile=compile_, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
         log_every=log_every, resume=resume, seed=seed, prefetch=prefetch, workers=workers,
         skip_nonfinite=skip_nonfinite, collective_timeout_s=collective_timeout, local_cache=local_cache,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ class FeatureBatch:
     target_ids: torch.Tensor  # [N] int64: the target's argmax next token at every position
     hidden: torch.Tensor  # [N, L*H] bf16
     cu_seqlens: torch.Tensor  # [S+1] int32, offsets of each sample in the packed axis
+    # The target's top-K next tokens and their log-probabilities at every position, when asked for
+    topk_ids: torch.Tensor | None = None  # [N, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [N, K] fp32
 
     @property
     def num_tokens(self) -> int:
@@ -42,23 +46,21 @@ class FeatureBatch:
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "FeatureBatch":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return FeatureBatch(
-            sample_ids=self.sample_ids,
-            input_ids=move(self.input_ids),
-            loss_mask=move(self.loss_mask),
-            target_ids=move(self.target_ids),
-            hidden=move(self.hidden),
-            cu_seqlens=move(self.cu_seqlens),
-        )
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> FeatureBatch:
+        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "FeatureBatch":
+    def pin_memory(self) -> FeatureBatch:
+        return self.apply(torch.Tensor.pin_memory)
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FeatureBatch:
+        """The batch with `fn` applied to each of its tensors."""
         return FeatureBatch(
             sample_ids=self.sample_ids,
-            input_ids=self.input_ids.pin_memory(),
-            loss_mask=self.loss_mask.pin_memory(),
-            target_ids=self.target_ids.pin_memory(),
-            hidden=self.hidden.pin_memory(),
-            cu_seqlens=self.cu_seqlens.pin_memory(),
+            input_ids=fn(self.input_ids),
+            loss_mask=fn(self.loss_mask),
+            target_ids=fn(self.target_ids),
+            hidden=fn(self.hidden),
+            cu_seqlens=fn(self.cu_seqlens),
+            topk_ids=None if self.topk_ids is None else fn(self.topk_ids),
+            topk_logprobs=None if self.topk_logprobs is None else fn(self.topk_logprobs),
         )

@@ -61,7 +61,7 @@ class FolderLock:
         self._fd: int | None = None
         self.created = False  # whether acquire made locks/ (then `release(discard=True)` removes it)
 
-    def acquire(self, launch: str | None = None) -> "FolderLock":
+    def acquire(self, launch: str | None = None) -> FolderLock:
         """Raises DFlashCacheError naming the holder when another process or launch holds the lock."""
         me = f"pid {os.getpid()} on {socket.gethostname()}"
         try:
@@ -173,7 +173,7 @@ class FolderLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,7 +13,8 @@ from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 
 
-def random_spec(codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 32, vocab_size: int = 100) -> dict:
+def random_spec(codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 32, vocab_size: int = 100,
+                topk: int = 0) -> dict:
     return {
         "target": {"name": "random", "model_type": "qwen3", "config_hash": "0" * 64, "num_layers": 6,
                    "hidden_size": hidden_size, "vocab_size": vocab_size},
@@ -23,7 +24,7 @@ def random_spec(codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 3
         "tokenizer_hash": "0" * 64,
         "data_hash": "0" * 64,
         "max_length": 4096,
-        "topk": 0,
+        "topk": topk,
     }
 
 
@@ -41,6 +42,10 @@ def random_row(sample_id: int, num_tokens: int, spec: dict, seed: int = 0) -> tu
         hidden=compress(enc.planes.numpy(), spec["codec"]),
         hidden_scales=None if enc.scales is None else enc.scales.numpy().tobytes(),
     )
+    if k := spec["topk"]:  # K distinct ids a token, with log-probabilities in decreasing order
+        row.topk_ids = torch.rand(num_tokens, vocab, generator=g).argsort(1)[:, :k].numpy().astype(np.int32)
+        logits = torch.randn(num_tokens, vocab, generator=g)
+        row.topk_logprobs = logits.log_softmax(1).sort(1, descending=True).values[:, :k].numpy()
     return row, hidden
 
 

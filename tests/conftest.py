@@ -18,7 +18,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 def pytest_configure(config):
     """Tests start the CLI as `python -m dflash_cache_cli.main`, which imports `cli/` from wherever
     this venv's editable install points: a venv made for another worktree runs that worktree's CLI
-    against this one's library and tests (a resume test failed so in session 9).
+    against this one's library and tests (a resume test failed so).
     Refuse to start then."""
     import dflash_cache_cli
 
@@ -45,8 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def quick_autotuning(request):
     """GPU tests start from an empty Triton cache: their autotuners work as extraction's warm-up does
     (every configuration compiled at once on threads, each timed in ten runs instead of 125 ms of
-    runs), which leaves results alone. Without it a cold run of them did not finish in 210 s on the H200 (session
-    6); with it, not yet measured.
+    runs), which leaves results alone. Without it a cold run of them did not finish in a GPU test's time; with it, not yet measured.
     Tests of the autotuning itself are marked `own_autotuning`."""
     if "gpu" not in request.keywords or "own_autotuning" in request.keywords or not torch.cuda.is_available():
         yield

@@ -1,6 +1,6 @@
 """The benchmarks' parsing of other processes' output, checked on the CPU (a mismatch costs a whole
 device call): benchmarks/extract_cold.py reads the CLI's own lines, large numbers included;
-benchmarks/drafter.py --peer reads the peer's JSON line."""
+benchmarks/drafter.py --peer reads the JSON line of speculators' step script."""
 
 import os
 import sys
@@ -26,11 +26,11 @@ print("compiling...", flush=True)
 if os.environ["T"] != "0":
     print(json.dumps({"real_tokens_per_s": 1000.0, "T": int(os.environ["T"]), "max_anchors": int(os.environ["MAX_ANCHORS"]),
                       "pid": os.getpid()}), flush=True)
-    time.sleep(600)  # the real peer was seen to linger after its line
+    time.sleep(600)  # the real script was seen to linger after its line
 """
 
 
-def test_the_peer_runs_with_our_shape_and_is_stopped_once_it_has_printed_its_line(tmp_path):
+def test_the_speculators_step_runs_with_our_shape_and_is_stopped_once_it_has_printed_its_line(tmp_path):
     script = tmp_path / "peer.py"
     script.write_text(PEER_STANDIN)
     result = run_peer(f"{sys.executable} {script}", tokens=4096, anchors=64)

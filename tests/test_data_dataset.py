@@ -76,7 +76,8 @@ def test_worker_processes_give_the_same_result(files, tokenizer, monkeypatch):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_out_of_vocabulary_ids(tmp_path, tokenizer, workers):
+def test_out_of_vocabulary_ids(tmp_path, tokenizer, workers, monkeypatch):
+    monkeypatch.setattr("dflash_cache.data.dataset.CHUNK_RECORDS", 1)  # two chunks: the pool is used
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": [1, len(tokenizer)]}) + "\n")
     with pytest.raises(DFlashCacheError, match=rf"bad.jsonl:2: token id {len(tokenizer)} at position 1 is outside"):
@@ -132,11 +133,12 @@ def failing_tokenizer():
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers):
+def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers, monkeypatch):
+    monkeypatch.setattr("dflash_cache.data.dataset.CHUNK_RECORDS", 3)  # several chunks: the pool is used
     tokenizer = failing_tokenizer()
     path = mixed_file(tmp_path, tokenizer)
     options = EncodeOptions(64, max_record_bytes=1000)
-    with pytest.raises(DFlashCacheError, match=rf"mixed.jsonl:2: not valid JSON"):
+    with pytest.raises(DFlashCacheError, match=r"mixed.jsonl:2: not valid JSON"):
         load_all([path], tokenizer, 64, workers=workers, options=options)
     data = load_all([path], tokenizer, 64, workers=workers, options=options, on_bad_record="skip")
     assert [s.sample_id for s in data.samples] == [0, 7]  # ids stay the record index

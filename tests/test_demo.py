@@ -3,10 +3,10 @@ assets are missing."""
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.demo import ASSETS, DemoOptions, find_assets, run_demo
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache_cli.main import main
 
 needs_assets = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file(), reason="examples/assets not built")
 

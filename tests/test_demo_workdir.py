@@ -3,10 +3,10 @@ into it; an earlier demo's folder gets on to the demo's own check."""
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.demo import DemoOptions, run_demo
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache_cli.main import main
 
 
 def test_a_workdir_of_other_files_is_refused_untouched(tmp_path):

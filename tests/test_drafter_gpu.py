@@ -19,7 +19,7 @@ BATCHES = [([900, 37, 1500, 260, 12, 700], 0), ([2000, 333], 1), ([64] * 20 + [1
 
 def gpu_drafter(head_dim=32, **kwargs):
     """Head size 32: Inductor's flex-attention refuses head sizes under 16 (torch 2.11), and at 16 a
-    dynamic-shape kernel found no configuration in session 10."""
+    dynamic-shape kernel found no configuration."""
     torch.manual_seed(0)
     config = tiny_config(hidden_size=64, head_dim=head_dim, sliding_window=100, **kwargs)
     return DFlashDrafter(config, random_head(0, hidden=64)).cuda()
@@ -77,7 +77,7 @@ def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_b
 
 @pytest.mark.xfail(reason="Inductor's flex-attention lowering guards on whether there are fewer than 128 "
                    "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not, and dynamo "
-                   "specialises a one-tile BlockMask: seen on an H200, session 12")
+                   "specialises a one-tile BlockMask: seen on an H200")
 def test_eager_regions_compile_nothing_for_a_later_batch_under_128_queries():
     """Known limitation (ARCHITECTURE.md): after bigger batches, one whose packed query rows (queries x
     the query heads of a key head) fit in one tile (here 12 blocks of 4 x 2 heads) compiles the decoder

@@ -1,4 +1,4 @@
-"""Training compiles nothing after a short warm-up, whatever the batch shape (issue 15, item 3).
+"""Training compiles nothing after a short warm-up, whatever the batch shape.
 
 The same count as benchmarks/recompiles.py (`CompileCounts`), on a tiny drafter: the CPU has no
 flex-attention backward, so eager mode here trains through the dense reference and must compile

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.drafter.checkpoint import save_drafter
 from dflash_cache.drafter.config import DrafterConfig
@@ -24,6 +23,7 @@ from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.train.checkpoint import COMPLETE
 from dflash_cache.train.train import train
+from dflash_cache_cli.main import main
 from tests.test_train_helpers import make_cache, metrics, tiny_config
 
 LAYERS = [1, 4]
@@ -147,6 +147,22 @@ def test_offline_tau_equals_the_trainers_held_out_tau(tmp_path):
     everything = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache], eval_fraction=0.0))
     assert everything.samples == 16 and everything.blocks > report.blocks
     assert everything.split == "every sample of the cache"
+
+
+@pytest.mark.parametrize("loss", ["dpace", "topk"])
+def test_offline_loss_is_the_runs_own_loss(tmp_path, loss):
+    """A run trained with another --loss is evaluated with it, as its held-out evaluation was; a topk
+    drafter's loss needs a cache with top-K labels."""
+    cache = make_cache(tmp_path / "cache", topk=3)
+    train(tiny_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1, loss=loss), echo=lambda line: None)
+    logged = [r for r in metrics(tmp_path / "run") if "eval_loss" in r][-1]
+    report = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache]))
+    assert report.loss == pytest.approx(logged["eval_loss"], rel=1e-6)
+    assert report.tau == pytest.approx(logged["eval_tau"], rel=1e-12)
+    if loss == "topk":
+        plain = make_cache(tmp_path / "plain")
+        with pytest.raises(DFlashCacheError, match="trained with --loss topk.*extracted with --topk K"):
+            evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[plain]))
 
 
 def test_cli(qwen3_target_dir, conversations, tmp_path):

@@ -171,6 +171,7 @@ def test_the_summary_after_a_resume_gives_the_caches_totals_and_this_runs_share(
     import json
 
     from click.testing import CliRunner
+
     from dflash_cache_cli.main import main
 
     target, data, _ = crash_setup

@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
-from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM
 
 from dflash_cache import open_cache
+from dflash_cache_cli.main import main
 from tests.test_chat_templates import FAMILIES, family_tokenizer
 from tests.tiny import target_config
 
@@ -61,7 +60,7 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
     out = tmp_path / "cache"
     args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
     code, _, err = cli(*args, "--out", out)
-    assert code == 1 and f"data.jsonl:2: not valid JSON" in err and err.count("\n") == 1
+    assert code == 1 and "data.jsonl:2: not valid JSON" in err and err.count("\n") == 1
     assert not (out / "manifest.json").exists()
 
     code, stdout, err = cli(*args, "--out", out, "--on-bad-record", "skip")
@@ -123,4 +122,4 @@ def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
         f"{data}:1: the prompt of assistant turn 1 is not a prefix of the conversation",
         f"{data}:3: the prompt of assistant turn 1 is not a prefix of the conversation"]}
     code, _, err = cli(*args, "--out", tmp_path / "b", "--strict-template")
-    assert code == 1 and f"data.jsonl:1: the chat template does not render this conversation faithfully" in err
+    assert code == 1 and "data.jsonl:1: the chat template does not render this conversation faithfully" in err

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 from transformers import T5Config
 
 from dflash_cache import DFlashCacheError
+from dflash_cache_cli.main import main
 from tests.test_extract import run_extract
 from tests.test_train_helpers import drafter_json, make_cache
 from tests.tiny import build_target, write_conversations

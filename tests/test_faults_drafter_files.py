@@ -3,18 +3,19 @@ weights do not have (or that would allocate terabytes), a config of the wrong ty
 naming the file, before any model is built and before `export --out` is written."""
 
 import json
+import re
 import struct
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_drafter
-from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
 from dflash_cache.drafter.export import export_checkpoint
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.drafters import read_drafter
+from dflash_cache_cli.main import main
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99, num_target_layers=6)
@@ -136,6 +137,33 @@ def test_a_config_of_the_wrong_types_is_named(sources, tmp_path, field, value, m
     values[field] = value
     config_file.write_text(json.dumps(values))
     refused(folder, tmp_path, "invalid drafter config: " + match)
+
+
+# Each was exported; then eval ended in a bare IndexError (mask_token_id), tried to allocate 17 GB
+# (block_size) or reported accuracy 0.00 (the rest).
+BAD_VALUES = [("mask_token_id", 10**9), ("mask_token_id", -1), ("mask_token_id", 100), ("block_size", 1 << 31),
+              ("rope_theta", float("nan")), ("rms_norm_eps", -1), ("rms_norm_eps", float("inf")),
+              ("max_position_embeddings", 1 << 40)]
+
+
+@pytest.mark.parametrize("field, value", BAD_VALUES)
+def test_a_config_value_out_of_range_names_the_file_and_field_in_train_export_and_eval(sources, tmp_path, field, value):
+    for kind in ("checkpoint", "export"):
+        folder, _, config_file = copy(sources, kind, tmp_path)
+        values = json.loads(config_file.read_text())
+        values[field] = value
+        if kind == "export" and field == "mask_token_id":
+            values["dflash_config"][field] = value
+        if kind == "export" and field == "rope_theta":  # the reference config reads it here first
+            values["rope_parameters"][field] = value
+        config_file.write_text(json.dumps(values))  # NaN and Infinity as Python's json writes them
+        match = f"^{re.escape(str(config_file))}: invalid drafter config: {field} must be"
+        with pytest.raises(DFlashCacheError, match=match):  # eval reads both
+            read_drafter(folder)
+        with pytest.raises(DFlashCacheError, match=match):  # train reads a config file
+            load_drafter_config(config_file)
+        if kind == "checkpoint":
+            assert str(config_file) in refused(folder, tmp_path, f"{field} must be")
 
 
 def test_a_config_that_is_not_json_names_its_file(sources, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
+from tests.fulldisk import can_mount_tmpfs, fill_at
 from tests.test_extract import assert_same_cache, cli, extract_args, run_extract
 from tests.tiny import CORPUS, build_target, write_conversations
 
@@ -86,6 +87,7 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
     running extraction (they advised to "rerun the same extract command", which the lock refuses);
     the extraction, let go on, ends with the same cache as an uninterrupted run."""
     from click.testing import CliRunner
+
     from dflash_cache_cli.main import main
     from tests.test_train_helpers import drafter_json
 
@@ -148,14 +150,6 @@ def test_file_size_limit_during_a_shard_write(setup, tmp_path):
     assert_same_cache(reference, out)
 
 
-def can_mount_tmpfs() -> bool:
-    try:
-        return subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                              capture_output=True, timeout=30, check=False).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
 def test_full_disk_during_a_shard_write(setup, tmp_path):
     """A real full disk: a 540 KiB tmpfs (in a user namespace, no privileges needed) fills up while
@@ -179,6 +173,27 @@ def test_full_disk_during_a_shard_write(setup, tmp_path):
     assert assert_stopped_cleanly(saved, int((tmp_path / "first.rc").read_text()), first, "No space left on device")
     assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-2000:]
     assert_same_cache(reference, tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_full_disk_while_the_manifest_is_written(setup, tmp_path):
+    """It was a bare `OSError: [Errno 28]` naming no file, and left `manifest.json.tmp`."""
+    if not can_mount_tmpfs():
+        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
+    target, data, reference = setup
+    disk = tmp_path / "disk"
+    command = extract_args(target, data, disk / "cache")
+    first, then = fill_at("manifest.write:1", command, command, disk, tmp_path)
+    cache = disk / "cache"
+    error = first.stderr.strip().splitlines()[-1]
+    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-2000:]
+    assert error.startswith(f"error: writing {cache / 'manifest.json'} failed: No space left on device; "
+                            f"free space in {cache} (0.0 MB free now)"), error
+    assert "and rerun the same extract command to finish the cache" in error, error
+    left = {p.name for p in (tmp_path / "after-first" / "cache").iterdir()}
+    assert "manifest.json" not in left and "manifest.json.tmp" not in left, left
+    assert then.returncode == 0, then.stderr[-2000:]
+    assert_same_cache(reference, tmp_path / "after-then" / "cache")
 
 
 class OutOfMemoryRunner(TargetRunner):

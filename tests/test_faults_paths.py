@@ -8,12 +8,12 @@ import shutil
 import fsspec
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.manifest import manifest_checksum, read_journals
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.verify import verify_cache
+from dflash_cache_cli.main import main
 from tests.cachegen import random_spec, write_random_cache
 from tests.s3server import s3_server, s3_url  # noqa: F401 - fixtures
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.train.checkpoint import CHECKPOINT_DIR
+from dflash_cache_cli.main import main
 from tests.test_faults_extract import wait_until_stopped
 from tests.test_train_helpers import drafter_json, make_cache
 
@@ -154,9 +154,9 @@ def test_a_train_into_a_run_folder_being_trained_names_the_run_not_resume(tmp_pa
     import json
 
     from click.testing import CliRunner
-    from dflash_cache_cli.main import main
 
     from dflash_cache.lock import FolderLock
+    from dflash_cache_cli.main import main
     from tests.test_train_helpers import drafter_json, make_cache
 
     cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")

@@ -3,9 +3,9 @@ by every command, before anything is written."""
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache import DFlashCacheError, open_cache
+from dflash_cache_cli.main import main
 from tests.test_train_helpers import drafter_json
 from tests.tiny import build_target, write_conversations
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache.store.shard import ShardReader
+from dflash_cache_cli.main import main
 from tests.test_train_helpers import drafter_json, make_cache, tiny_config
 
 LENGTHS = [40, 23, 57, 31, 12, 64, 45, 19]  # four rows a shard: two shards

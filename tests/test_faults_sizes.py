@@ -6,10 +6,10 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.manifest import manifest_checksum
+from dflash_cache_cli.main import main
 from tests.cachegen import random_spec, write_random_cache
 
 
@@ -134,8 +134,8 @@ def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tm
     it): `train` made its run folder and stopped at the first step with `RuntimeError: The size of
     tensor a (32) must match the size of tensor b (16)`; `eval --cache` the same."""
     from dflash_cache.drafter.checkpoint import save_drafter
-    from dflash_cache.drafter.model import DFlashDrafter
     from dflash_cache.drafter.config import load_drafter_config
+    from dflash_cache.drafter.model import DFlashDrafter
     from tests.test_train_helpers import drafter_json, make_cache, write_head
 
     cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
@@ -259,9 +259,11 @@ def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
 TOKENIZED = """
 import sys
 from dflash_cache import DFlashCacheError
+from transformers import AutoTokenizer
 from dflash_cache.data.tokenized import tokenized_data
 try:
-    data = tokenized_data([sys.argv[1]], None, 64, "t" * 64, sys.argv[2], workers=0)
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[3])  # the ids are checked against its vocabulary
+    data = tokenized_data([sys.argv[1]], tokenizer, 64, "t" * 64, sys.argv[2], workers=0)
     print([data.samples([i])[i].input_ids.tolist() for i in data.sample_ids.tolist()])
 except DFlashCacheError as e:
     print(e)
@@ -278,7 +280,7 @@ def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_pa
     import struct
     import subprocess
     import sys
-    from pathlib import Path
+    import zlib
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -288,7 +290,8 @@ def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_pa
     data, folder = tmp_path / "tokens.parquet", tmp_path / "tok"
     pq.write_table(pa.table({"input_ids": [list(range(100, 140)), list(range(200, 207))]}), data)
     arrow = tokenized_data([data], tokenizer, 64, "t" * 64, folder, workers=0).path
-    run = lambda: subprocess.run([sys.executable, "-c", TOKENIZED, str(data), str(folder)],  # noqa: E731
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    run = lambda: subprocess.run([sys.executable, "-c", TOKENIZED, str(data), str(folder), str(tmp_path / "tokenizer")],  # noqa: E731
                                  capture_output=True, text=True, timeout=120)
     read = run()  # the file as written reads back in the other process
     assert read.returncode == 0 and read.stdout.strip() == str([list(range(100, 140)), list(range(200, 207))]), read
@@ -303,8 +306,9 @@ def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_pa
         assert len(places) >= 5
         for i in places:
             raw[i:i + 8] = struct.pack("<q", 1 << 20)
-        info = arrow.with_suffix(".json")
-        info.write_text(json.dumps({**json.loads(info.read_text()), "rows": 1 << 20}))
+    info = arrow.with_suffix(".json")  # it vouches for the crafted file: its rows and its CRC-32
+    rows = {} if lie == "values" else {"rows": 1 << 20}
+    info.write_text(json.dumps({**json.loads(info.read_text()), **rows, "crc32": zlib.crc32(raw)}))
     arrow.write_bytes(bytes(raw))
     result = run()
     assert result.returncode == 1, (result.returncode, result.stderr[-500:])

@@ -2,10 +2,10 @@
 progress lines are the tool's progress, and a library caller's own bars are left as they were."""
 
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 from transformers.utils import logging as hf_logging
 
 from dflash_cache.extract.target import load_target
+from dflash_cache_cli.main import main
 from tests.test_eval import random_drafter
 
 

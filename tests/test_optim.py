@@ -9,7 +9,6 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.checkpoint import WEIGHTS_FILE
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
-
 from dflash_cache.train.checkpoint import load_checkpoint, rng_state, save_checkpoint
 from dflash_cache.train.optim import CompiledAdamW, build_optimizer, build_scheduler, clipped_step, gradient_norm
 from tests.test_drafter_helpers import random_batch, random_head, tiny_config

@@ -17,7 +17,7 @@ from dflash_cache.extract.varlen import ATTENTION, packed_kernels
 
 
 def lognormal_lengths(n: int, seed: int = 0, longest: int = 8192) -> list[int]:
-    """Conversation lengths as the issue measured them: lognormal around 2,600 tokens, cut at the max length."""
+    """Conversation lengths modelled on measured chat data: lognormal around 2,600 tokens, cut at the max length."""
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(2600), 0.9, n), 16, longest).astype(int).tolist()
 
@@ -131,8 +131,9 @@ def test_boundaries_are_what_keeps_samples_apart(target_dir):
 def test_packed_kernels_are_scoped():
     module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     before = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
-    from tests.tiny import build_tokenizer, target_config
     from transformers import AutoModelForCausalLM
+
+    from tests.tiny import build_tokenizer, target_config
 
     model = AutoModelForCausalLM.from_config(target_config("qwen3_5", len(build_tokenizer())))
     with packed_kernels(model):

@@ -70,13 +70,12 @@ def damaged(path, data):
     empty_batch[2] = empty_batch[1]
     yield "cut", path.read_bytes()[:200]
     yield "empty", b""
-    for name, array in [("a sample twice", np.concatenate([[batches], starts, twice])),
-                        ("a foreign id", np.concatenate([[batches], starts, foreign])),
-                        ("an empty batch", np.concatenate([[batches], empty_batch, ids])),
-                        ("a batch count that does not fit", np.concatenate([[batches + 1], starts, ids])),
-                        ("int32", good.astype(np.int32)), ("2-D", good.reshape(1, -1)),
-                        ("big-endian", good.astype(">i8")), ("of other data", good[: -1])]:
-        yield name, array
+    yield from [("a sample twice", np.concatenate([[batches], starts, twice])),
+                ("a foreign id", np.concatenate([[batches], starts, foreign])),
+                ("an empty batch", np.concatenate([[batches], empty_batch, ids])),
+                ("a batch count that does not fit", np.concatenate([[batches + 1], starts, ids])),
+                ("int32", good.astype(np.int32)), ("2-D", good.reshape(1, -1)),
+                ("big-endian", good.astype(">i8")), ("of other data", good[: -1])]
     assert n == len(ids)
     yield "pickled objects", np.array([{"x": 1}] * 4, dtype=object)
 

@@ -1,6 +1,5 @@
 """The bounded pool of open shards: LRU eviction, never closing a reader in use, resource errors."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -160,7 +159,7 @@ def test_training_on_5000_shards_under_ulimit_256_keeps_the_pool_bound(tmp_path)
     # thread closes during it can be taken by a shard opened next and counted beside the one it
     # replaced. A reader per shard kept open would pass 256; a second pool, 64.
     assert 0 < figures["peak"] <= 32 + 1, figures
-    records = [__import__("json").loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
     assert sum(r["tokens"] for r in records if "loss" in r) > 4 * 2500  # ~375 shards per batch, ~1,500 in all
 

@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
 import dflash_cache.data.tokenized as tokenized
 from dflash_cache import open_cache
@@ -21,6 +20,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.inspect import describe_cache
 from dflash_cache.store.cache import UnknownSample
 from dflash_cache.store.manifest import manifest_checksum
+from dflash_cache_cli.main import main
 from tests.cachegen import random_row, random_spec, write_random_cache
 
 OLD_CACHE = Path(__file__).parent / "fixtures" / "cache-v1"  # written by dflash-cache before record ids (format 1)

@@ -7,12 +7,12 @@ import torch
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.plan import plan_batches
+from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.store.shard import ShardWriter
 from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
 from dflash_cache.stream.loader import Loader, ReaderError, empty_host_batch
 from dflash_cache.stream.memory import MemorySource
-from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
-from dflash_cache.store.shard import ShardWriter
 from tests.cachegen import random_row, random_spec, write_random_cache
 
 LENGTHS = [7, 30, 1, 18, 44, 9, 25, 13, 3, 36, 21, 16]
@@ -54,6 +54,22 @@ def test_loader_packs_batches_exactly_as_the_store_reads_them(tmp_path, codec):
             assert torch.equal(getattr(batch, name).view(torch.uint8) if name == "hidden" else getattr(batch, name),
                                value.view(torch.uint8) if name == "hidden" else value), name
         assert batch.hidden.dtype == torch.bfloat16
+
+
+def test_loader_reads_top_k_labels_when_asked(tmp_path):
+    """`topk`: each batch carries the cache's top-K ids and log-probabilities, packed as the tokens are;
+    without it, none (no memory spent on them)."""
+    caches = CacheSet([cache_at(tmp_path / "c", topk=3)])
+    batches = plan_batches(list(range(len(caches))), caches.lengths, 50, seed=3)
+    with Loader(caches, batches, "cpu", prefetch=2, workers=3, topk=True) as loader:
+        got = list(loader)
+    for keys, batch in zip(batches, got):
+        samples = [caches.caches[0][caches.sample_id(k)] for k in keys]
+        assert batch.topk_ids.shape == (batch.num_tokens, 3) and batch.topk_ids.dtype == torch.int64
+        assert torch.equal(batch.topk_ids, torch.cat([s.topk_ids for s in samples]))
+        assert torch.equal(batch.topk_logprobs, torch.cat([s.topk_logprobs for s in samples]))
+    with Loader(caches, batches[:1], "cpu") as loader:
+        assert next(loader).topk_ids is None
 
 
 def test_host_buffers_have_one_size_for_the_whole_run(tmp_path):
@@ -99,23 +115,24 @@ def test_corrupt_row_names_the_sample(tmp_path):
         list(loader)
 
 
-@pytest.mark.parametrize("name, bad", [("target_ids", 100), ("input_ids", -1)])
+@pytest.mark.parametrize("name, bad", [("target_ids", 100), ("input_ids", -1), ("topk_ids", 100)])
 def test_token_ids_outside_the_vocabulary_name_the_sample(tmp_path, name, bad):
     """Rows that pass their checksums but hold an id the target's vocabulary (100) lacks: the GPU loss
-    kernel would read past a row of logits, so the loader stops, naming the sample."""
-    root, spec = tmp_path / "c", random_spec(vocab_size=100)
+    kernel would read past a row of logits, so the loader stops, naming the sample. Top-K ids are
+    checked when the batches read them."""
+    root, spec = tmp_path / "c", random_spec(vocab_size=100, topk=2 if name == "topk_ids" else 0)
     writer = ShardWriter(root, rank=0, spec=spec)
     for sid in range(3):
         row, _ = random_row(sid, 12, spec)
         if sid == 1:
-            getattr(row, name)[5] = bad
+            getattr(row, name).reshape(-1)[5] = bad
         writer.append(row)
     writer.commit()
     write_manifest(root, build_manifest(read_journals(root)))
     caches = CacheSet([root])
     with pytest.raises(DFlashCacheError, match=f"reading sample 1: {name} holds token id {bad}, outside the "
                                                "target's vocabulary of 100"), \
-            Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
+            Loader(caches, [[k] for k in range(len(caches))], "cpu", topk=name == "topk_ids") as loader:
         list(loader)
 
 
@@ -248,8 +265,7 @@ def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
 
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
 def test_decompress_into_matches_the_store(codec):
-    from dflash_cache.store.codecs import compress, decompress, encode, encoded_size
-    from dflash_cache.store.codecs import PLANE_LAYOUT, decompress_into
+    from dflash_cache.store.codecs import PLANE_LAYOUT, compress, decompress, decompress_into, encode, encoded_size
 
     x = torch.randn(37, 3 * 16).bfloat16()
     payload = compress(encode(x, codec, 3).planes.numpy(), codec)

@@ -7,9 +7,8 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.buckets import BucketLayout
-from dflash_cache.extract.packing import PackedLayout
-
 from dflash_cache.extract.checks import describe_problem, layer_health
+from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import load_target
@@ -174,7 +173,7 @@ def test_oom_splits_the_batch(qwen3_target_dir, layout, limit, shapes):
     assert runner.shapes == shapes
     assert [p.sample_ids for p in parts] == [[100, 101], [102, 103, 104]]
     done = [(sid, part, i) for part in parts for i, sid in enumerate(part.sample_ids)]
-    for (sid, part, i), sample in zip(done, samples):
+    for (_sid, part, i), sample in zip(done, samples):
         n, row, start = len(sample.input_ids), int(part.batch.rows[i]), int(part.batch.starts[i])
         alone = target.model(input_ids=torch.from_numpy(sample.input_ids.astype(np.int64))[None], output_hidden_states=True)
         torch.testing.assert_close(layer(part.output.hidden[row, start : start + n], 0, 64), alone.hidden_states[2][0].bfloat16(),

@@ -3,6 +3,9 @@
 import hashlib
 import json
 import pickle
+import subprocess
+import sys
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -114,3 +117,69 @@ def test_bad_record_fails_naming_it_and_leaves_nothing(tmp_path, tokenizer):
     with pytest.raises(DFlashCacheError, match=r"bad.jsonl:2: not valid JSON"):
         tokenized_data([bad], tokenizer, 64, TOKENIZER_HASH, tmp_path / "tok", workers=0)
     assert not list((tmp_path / "tok").glob("*.arrow*"))
+
+
+def rewrite_ids(path, change):
+    """The Arrow file at `path` with each sample's token ids replaced by `change(sample_id, ids)`;
+    schema, record batches and row count kept."""
+    reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, reader.schema) as writer:
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            ids = [change(sid, np.array(row, dtype=np.int32)).tolist()
+                   for sid, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())]
+            writer.write_batch(pa.RecordBatch.from_arrays(
+                [batch.column(0), pa.array(ids, pa.list_(pa.int32())), batch.column(2), batch.column(3)], schema=reader.schema))
+
+
+def test_a_kept_file_changed_since_it_was_written_is_tokenized_again_and_said_so(files, tokenizer, tmp_path):
+    folder = tmp_path / "tok"
+    data = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
+    store = data.samples(data.sample_ids)
+    expected = as_lists(store[i] for i in data.sample_ids.tolist())
+    del store
+    rewrite_ids(data.path, lambda sid, ids: (ids + 1) % len(tokenizer))  # still inside the vocabulary
+    data.path.with_name(data.key + tokenized.INDEX_SUFFIX).unlink()
+    notes = []
+    again = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0, on_note=notes.append)
+    store = again.samples(again.sample_ids)
+    assert as_lists(store[i] for i in again.sample_ids.tolist()) == expected
+    assert notes == [f"{data.path} is not the file that was written (its checksum differs); tokenizing the data again"]
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_with_its_file_and_sample(files, tokenizer, tmp_path):
+    """Even where the file's checksum was made to match (ids written by other means than this tokenizer)."""
+    folder = tmp_path / "tok"
+    data = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
+    victim = int(data.sample_ids[3])
+    rewrite_ids(data.path, lambda sid, ids: np.where(np.arange(len(ids)) == 2, len(tokenizer), ids) if sid == victim else ids)
+    info_path = data.path.with_suffix(".json")
+    info = json.loads(info_path.read_text())
+    info["crc32"] = zlib.crc32(data.path.read_bytes())
+    info_path.write_text(json.dumps(info))
+    message = (f"{data.path}: sample {victim}: token id {len(tokenizer)} at position 2 is outside the tokenizer's "
+               f"vocabulary of {len(tokenizer)} ids; delete the file and rerun")
+    with pytest.raises(DFlashCacheError) as e:
+        tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
+    assert str(e.value) == message
+
+
+def test_temporary_files_of_killed_runs_are_removed_unless_their_lock_is_held(files, tokenizer, tmp_path):
+    folder = tmp_path / "tok"
+    data = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
+    other, busy = "ab" * 16, "cd" * 16
+    stale = [folder / f"{data.key}.arrow.tmp4194301", folder / f"{data.key}.index.npy.tmp17",
+             folder / f"{data.key}.plan-{'ef' * 16}.npy.tmp23", folder / f"{other}.json.tmp29"]
+    kept = [folder / f"{busy}.arrow.tmp31", folder / "notes.tmp37"]
+    for path in stale + kept:
+        path.write_bytes(b"partial")
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(folder / f"{busy}.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # it holds the lock of `busy`: a run writing it
+        again = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert again.path == data.path
+    assert [p.name for p in stale if p.exists()] == [] and all(p.exists() for p in kept)

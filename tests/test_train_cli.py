@@ -1,8 +1,8 @@
 import pytest
 from click.testing import CliRunner
-from dflash_cache_cli.main import main
 
-from tests.test_train_helpers import drafter_json, losses, make_cache, metrics
+from dflash_cache_cli.main import main
+from tests.test_train_helpers import drafter_json, losses, make_cache
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,38 @@ def test_out_that_is_not_empty(tmp_path, setup):
     (["--epochs", 2], "give --epochs or --steps, not both"),
     (["--eval-fraction", 1.5], "--eval-fraction must be in [0, 1)"),
     (["--grad-accum", 50], "fewer than one step needs"),
+    (["--dpace-alpha", 0], "--dpace-alpha must be in (0, 1]"),
+    (["--loss", "topk", "--labels", "tokens"], "--loss topk distils the target's own distribution; it needs --labels target"),
 ])
 def test_options_out_of_range(tmp_path, setup, extra, needle):
     cache, drafter = setup
     one_line_error(*run(*options(cache, drafter, tmp_path / "run", *extra)), needle)
+
+
+def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
+    """--loss reaches the objective (the first step's loss differs by loss, on the same batch and weights),
+    and is part of the run's identity; topk reads the top-K labels of a cache extracted with them."""
+    _, drafter = setup
+    topk_cache = make_cache(tmp_path / "cache", topk=4)
+    first = {}
+    for loss in ("dflash", "dpace", "topk"):
+        out = tmp_path / f"run-{loss}"
+        code, text = run(*options(topk_cache, drafter, out, "--loss", loss, "--steps", 1))
+        assert code == 0, text
+        first[loss] = losses(out)[0]
+    assert len(set(first.values())) == 3, first
+    one_line_error(*run(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
+                   "different config", "loss")
+
+
+def test_topk_loss_needs_top_k_labels(tmp_path, setup):
+    cache, drafter = setup
+    out = tmp_path / "run"
+    one_line_error(*run(*options(cache, drafter, out, "--loss", "topk")), "lacks", "extract it with --topk K")
+    assert not out.exists()
+    one_line_error(*run("--live-target", tmp_path / "model", "--data", tmp_path / "data.jsonl", "--out", out,
+                        "--loss", "topk"), "--live-target computes none")
+    assert not out.exists()
 
 
 def test_a_cache_with_no_token_to_train_on_is_refused(tmp_path):

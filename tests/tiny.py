@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3_5TextConfig
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -95,7 +95,7 @@ def write_conversations(path: Path, count: int = 12, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(count):
             turns = []
-            for t in range(1 + i % 3):
+            for _t in range(1 + i % 3):
                 n_user = int(torch.randint(3, 12, (1,), generator=g))
                 n_asst = int(torch.randint(5, 40, (1,), generator=g))
                 pick = lambda n: " ".join(words[int(j)] for j in torch.randint(0, len(words), (n,), generator=g))  # noqa: E731

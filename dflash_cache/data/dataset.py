@@ -16,16 +16,27 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import chain, islice
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 
-from dflash_cache.data.readers import BadRecord, Conversation, JsonLine, Record, check_data_file, parse_json_line, read_records
+from dflash_cache.data.readers import (
+    BadRecord,
+    Conversation,
+    JsonLine,
+    Record,
+    check_data_file,
+    parse_json_line,
+    read_records,
+)
 from dflash_cache.data.tokenize import KINDS, check_token_ids, encode_conversation
 from dflash_cache.errors import DFlashCacheError
 
@@ -199,13 +210,16 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 def _encode_chunks(
     chunks: Iterator[list[Record | BadRecord | JsonLine]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
 ) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
-    if workers <= 1:
+    head = list(islice(chunks, 2))
+    chunks = chain(head, chunks)
+    if workers <= 1 or len(head) < 2:  # one chunk: starting a pool would cost more than it saves
         for chunk in chunks:
             yield [_encode_or_reason(tokenizer, vocab_size, r, options) for r in chunk]
         return
-    # Fork: workers start at once and inherit the tokenizer; they only tokenize, never touch CUDA.
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer, vocab_size, options)) as pool:
+    context = _pool_context(tokenizer)
+    reader, writer = context.Pipe(duplex=False)  # the workers' lifeline: only this process holds its writer
+    with reader, writer, ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                             initargs=(reader, tokenizer, vocab_size, options)) as pool:
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks in flight per worker, so memory stays bounded
             if any(isinstance(r, (JsonLine, Conversation)) for r in chunk):
@@ -219,12 +233,39 @@ def _encode_chunks(
             yield pending.popleft().result()
 
 
+def _pool_context(tokenizer) -> multiprocessing.context.BaseContext:
+    """Workers forked from a fresh server process (spawned where there is no forkserver): a forked
+    worker held this process's descriptors, among them its flocks on the cache and the tokenized
+    data, and kept them, blocking every later run, after this process was killed. The server imports
+    beforehand what each worker needs, this module and the tokenizer's code, so a worker costs a
+    fork and the tokenizer's unpickling."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # "__main__": a script's main module. One run with -m is imported again by each worker whatever
+    # the server holds (runpy warns of it if preloaded), cheaply once what it imports is preloaded.
+    context.set_forkserver_preload(["__main__", __name__, type(tokenizer).__module__])
+    return context
+
+
 _worker_state: tuple | None = None
 
 
-def _init_worker(tokenizer, vocab_size: int, options: EncodeOptions) -> None:
+def _init_worker(lifeline: Connection, tokenizer, vocab_size: int, options: EncodeOptions) -> None:
     global _worker_state
     _worker_state = (tokenizer, vocab_size, options)
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
+
+
+def _exit_with_parent(lifeline: Connection) -> None:
+    """Ends the worker once the process that owns the pool has ended (its end of the pipe closes):
+    the pool's queues stay open in the workers themselves, which would otherwise wait on them for
+    ever after a SIGKILL or SIGTERM of their parent."""
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
 
 
 def _encode_in_worker(chunk: list[Record | BadRecord | JsonLine]) -> list[tuple[str, EncodedRecord | str]]:

@@ -85,6 +85,13 @@ def parse_conversation(obj: dict, form: str) -> tuple[list[dict], list[dict] | N
     return messages, _tools(obj.get("tools"))
 
 
+def parse_message(turn: object, name: str) -> dict:
+    """One message of the `messages` form, normalised as in a conversation; errors name `name`."""
+    if not isinstance(turn, dict):
+        raise DFlashCacheError(f"{name} must be an object, found {type(turn).__name__}")
+    return _message(turn, name, "role", "content")
+
+
 def _message(turn: dict, name: str, role_key: str, content_key: str) -> dict:
     raw_role = turn.get(role_key)
     if not isinstance(raw_role, str) or raw_role not in ROLES:

@@ -4,9 +4,12 @@ Tokenizing a million conversations takes hours of one core, so it is done once p
 tokenizer files, max_length, tokenization code) and kept in `--tokenized-dir` as an Arrow IPC file
 (`sample_id` int64, `input_ids` list<int32>, `loss_mask` list<bool>, `id` string: the record's own
 `id`, null where it has none; a record batch per chunk of records tokenized, the kept samples in
-sample id order), which `extract --data` also reads. A JSON file
-beside it, written last, says it is complete and holds the data's report (records left out, and why). Building it streams: records are tokenized in a process pool (one process per core by
-default) and written chunk by chunk, so memory holds a few chunks and the lengths, not the data.
+sample id order), which `extract --data` also reads. A JSON file beside it, written last, says it
+is complete and holds the data's report (records left out, and why) and the Arrow file's CRC-32,
+checked with the token ids' range before each reuse. Building it streams: records are tokenized in
+a process pool (one process per core by default) and written chunk by chunk, so memory holds a few
+chunks and the lengths, not the data. Temporary files of killed runs are removed by the next run
+that takes their lock.
 
 Beside them, `KEY.index.npy` (int64 [6, N], `INDEX_ROWS`: each sample's id and length, and where
 its tokens, loss mask and record id lie in the Arrow file), made from the Arrow file on its first
@@ -23,26 +26,33 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields as dataclass_fields
+from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from dflash_cache import faults
 from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.rowbits import CHUNK
 
-FORMAT = 2  # 2: the id column; a file of another format is never reused (its key differs)
+FORMAT = 3  # 2: the id column, 3: its checksum; a file of another format is never reused (its key differs)
 SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
                     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
                     pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
                     pa.field("id", pa.string())])  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 INDEX_SUFFIX = ".index.npy"
+# A file being written (NAME.tmpPID), named by the lock it is written under: KEY.lock for the data's
+# files, KEY.plan-PLAN.lock for a plan (plan_file.py).
+TEMPORARY = re.compile(r"(?P<lock>[0-9a-f]{32}(?:\.plan-[0-9a-f]{32})?)\.(?:arrow|json|index\.npy|npy)\.tmp[0-9]+")
 # The index's rows: byte offsets in the Arrow file of a sample's first token id and of its record
 # id's UTF-8 bytes (-1: no id), the bit offset of its first loss-mask bit, the record id's bytes.
 INDEX_ROWS = ("sample_id", "length", "ids_at", "mask_bit", "record_id_at", "record_id_bytes")
@@ -150,11 +160,13 @@ class SampleStore(Mapping[int, Sample]):
 def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, tokenizer_hash: str,
                    folder: Path | None = None, workers: int | None = None, options: EncodeOptions | None = None,
                    on_bad_record: str = "error",
-                   on_progress: Callable[[int, int], None] = lambda samples, tokens: None) -> TokenizedData:
+                   on_progress: Callable[[int, int], None] = lambda samples, tokens: None,
+                   on_note: Callable[[str], None] = lambda line: None) -> TokenizedData:
     """The tokenized data of `paths` (the samples `stream_samples` keeps), built on first use
-    (`on_progress(samples, tokens)` as it goes); `workers`: tokenizer processes (None: one per core;
-    0 or 1: this process). Processes asking for the same data at once (torchrun ranks) build it
-    once: the others wait for it."""
+    (`on_progress(samples, tokens)` as it goes), and again when the kept file is not what was
+    written (`on_note` says so); `workers`: tokenizer processes (None: one per core; 0 or 1: this
+    process). Processes asking for the same data at once (torchrun ranks) build it once: the others
+    wait for it."""
     paths, options = checked_inputs(paths, max_length, options, on_bad_record)
     folder = Path(folder) if folder is not None else default_tokenized_dir()
     try:
@@ -168,28 +180,66 @@ def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, toke
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
     with open(folder / f"{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        data = _open(folder, key, fields)
+        _remove_temporaries(folder, key)
+        data = _open(folder, key, fields, len(tokenizer), on_note)
         if data is None:
             _build(folder, key, fields, paths, tokenizer, options, on_bad_record,
                    (os.cpu_count() or 1) if workers is None else workers, on_progress)
-            data = _open(folder, key, fields)
+            data = _open(folder, key, fields, len(tokenizer), on_note)
     if data is None:
         raise DFlashCacheError(f"{folder / key}.arrow was written but does not read back; delete it and rerun")
     return data
 
 
-def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
-    """The complete tokenized file of `key`, or None (absent, unfinished, or not what its JSON says)."""
+def _remove_temporaries(folder: Path, held: str) -> None:
+    """Removes the temporary files of killed runs: those written under the lock `held` (which this
+    process holds, so their writer is gone) and those under any other lock of `folder` that nobody
+    holds (taken while they are removed). Decided by the lock, not by the writer's pid, which may
+    be a process of another machine sharing the folder."""
+    for lock_name, paths in _temporaries(folder).items():
+        if lock_name == held:
+            for path in paths:
+                path.unlink(missing_ok=True)
+            continue
+        try:
+            with open(folder / f"{lock_name}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                for path in paths:
+                    path.unlink(missing_ok=True)
+        except OSError:
+            pass  # held: its writer is at work (BlockingIOError), or the folder is not ours to clean
+
+
+def _temporaries(folder: Path) -> dict[str, list[Path]]:
+    """The temporary files in `folder`, by the lock they are written under."""
+    found: dict[str, list[Path]] = {}
+    for path in folder.glob("*.tmp*"):
+        if match := TEMPORARY.fullmatch(path.name):
+            found.setdefault(match["lock"], []).append(path)
+    return found
+
+
+def _open(folder: Path, key: str, fields: dict, vocab_size: int,
+          on_note: Callable[[str], None]) -> TokenizedData | None:
+    """The complete tokenized file of `key`, or None (absent, unfinished, or not what its JSON says:
+    a file whose checksum differs is named by `on_note`). Token ids outside the vocabulary of
+    `vocab_size` ids are an error naming the sample."""
     path, info_path = folder / f"{key}.arrow", folder / f"{key}.json"
     try:
         info = json.loads(info_path.read_text())
         if not isinstance(info, dict) or any(info.get(k) != v for k, v in fields.items()):
             return None
         report = {f.name: info["report"][f.name] for f in dataclass_fields(LoadedData) if f.name != "samples"}
+        if info["crc32"] != _checksum(path):
+            on_note(f"{path} is not the file that was written (its checksum differs); tokenizing the data again")
+            return None
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
         if not reader.schema.equals(SCHEMA):
             return None
-        rows = sum(batch.num_rows for batch in _batches(reader, path))
+        rows = 0
+        for batch in _batches(reader, path):
+            _check_ids(batch, vocab_size, path)
+            rows += batch.num_rows
         if type(info["rows"]) is not int or rows != info["rows"]:
             return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
@@ -198,6 +248,26 @@ def _open(folder: Path, key: str, fields: dict) -> TokenizedData | None:
     if index is None:
         return None
     return TokenizedData(path, index[0], index[1], index, LoadedData([], **report))
+
+
+def _checksum(path: Path) -> int:
+    """CRC-32 of the file's bytes, as the shards' rows have (store/schema.py)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _check_ids(batch: pa.RecordBatch, vocab_size: int, path: Path) -> None:
+    ids = batch.column(1)
+    values = ids.flatten().to_numpy()
+    if len(values) and (values.min() < 0 or values.max() >= vocab_size):
+        for row in range(batch.num_rows):
+            try:
+                tokenize.check_token_ids(ids[row].values.to_numpy(), vocab_size)
+            except DFlashCacheError as e:
+                raise DFlashCacheError(f"{path}: sample {batch.column(0)[row].as_py()}: {e}; delete the file and rerun") from None
 
 
 def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
@@ -291,10 +361,12 @@ def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, o
                     writer.write_batch(_record_batch(kept))
                 rows += len(kept)
                 on_progress(len(kept), sum(len(s.input_ids) for s in kept))
+                faults.point("tokenize.chunk")
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        crc32 = _checksum(tmp)
         os.replace(tmp, path)
-        info = {**fields, "rows": rows, "report": {k: v for k, v in asdict(report).items() if k != "samples"}}
+        info = {**fields, "rows": rows, "crc32": crc32, "report": {k: v for k, v in asdict(report).items() if k != "samples"}}
         info_tmp = folder / f"{key}.json.tmp{os.getpid()}"
         info_tmp.write_text(json.dumps(info, sort_keys=True) + "\n")
         os.replace(info_tmp, folder / f"{key}.json")

@@ -21,11 +21,10 @@ compiled_flex_attention = compile_flex_attention()
 
 # Inductor's flex-attention options for every drafter call:
 #  - the main kernel always, never the decoding kernel Inductor picks for fewer than 128 queries (it found
-#    no configuration for fp32 in a dynamic-shape region: GPU test, session 12). Inductor still guards on
+#    no configuration for fp32 in a dynamic-shape region, in a GPU test). Inductor still guards on
 #    that count (docs/ARCHITECTURE.md, "Eager by default, compiled in regions");
 #  - the backward's tile sizes that Inductor's autotuner chose on an H200 at the 27B drafter's shapes, for
-#    both layer kinds: 3.29 ms against 3.55 ms for its default per layer (benchmarks/flex_configs.py,
-#    BENCHMARKS.md session 12).
+#    both layer kinds: faster than its default per layer, side by side (benchmarks/flex_configs.py).
 KERNEL_OPTIONS = {
     "FORCE_USE_FLEX_ATTENTION": True,
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,

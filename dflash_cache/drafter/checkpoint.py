@@ -9,11 +9,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dflash_cache.safetensors_file import save_tensors
-from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config import DrafterConfig, config_from_file
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
+from dflash_cache.safetensors_file import save_tensors
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -38,7 +38,7 @@ def load_drafter_state(directory: str | Path) -> tuple[DrafterConfig, dict[str, 
         values = json.loads((directory / CONFIG_FILE).read_text())
     except JSON_FILE_ERRORS as e:
         raise DFlashCacheError(f"{directory / CONFIG_FILE}: unreadable ({first_line(e)})") from None
-    config = DrafterConfig.from_dict(values)
+    config = config_from_file(values, directory / CONFIG_FILE)
     return config, read_weights(directory / WEIGHTS_FILE, config, directory / CONFIG_FILE)
 
 

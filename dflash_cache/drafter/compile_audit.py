@@ -25,14 +25,14 @@ class CompileCounts:
     failures: dict = field(default_factory=dict)  # code object -> texts of its failed guards, oldest first
 
     @classmethod
-    def now(cls) -> "CompileCounts":
+    def now(cls) -> CompileCounts:
         from torch._dynamo.utils import counters, guard_failures
 
         ok = counters["frames"]["ok"]
         return cls(ok, counters["frames"]["total"] - ok, counters["stats"]["unique_graphs"],
                    {code: list(reasons) for code, reasons in guard_failures.items()})
 
-    def __sub__(self, earlier: "CompileCounts") -> "CompileCounts":
+    def __sub__(self, earlier: CompileCounts) -> CompileCounts:
         failures = {code: reasons[len(earlier.failures.get(code, ())):] for code, reasons in self.failures.items()}
         return CompileCounts(self.frames - earlier.frames, self.left_to_eager - earlier.left_to_eager,
                              self.graphs - earlier.graphs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from dflash_cache.errors import DFlashCacheError
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "vocab_size", "max_position_embeddings")
+MAX_BLOCK_SIZE = 256  # DFlash drafts 16 tokens a block; eval and training allocate block_size slots per anchor
+MAX_POSITIONS = 1 << 24  # above any model's context; serving engines size position tables from it
 
 
 @dataclass
@@ -73,8 +76,18 @@ class DrafterConfig:
             problems.append("sliding_attention layers need a sliding_window")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if type(self.block_size) is not int or self.block_size < 2:
-            problems.append("block_size must be at least 2")
+        if type(self.block_size) is not int or not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            problems.append(f"block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, not {self.block_size!r}")
+        if type(self.mask_token_id) is not int or not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id must be a token id below vocab_size {self.vocab_size}, not {self.mask_token_id!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{name} must be a finite positive number, not {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            problems.append(f"max_position_embeddings must be at most {MAX_POSITIONS:,}, not {self.max_position_embeddings:,}")
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
+            problems.append(f"sliding_window must be a positive integer or null, not {self.sliding_window!r}")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
         elif self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
@@ -86,7 +99,7 @@ class DrafterConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "DrafterConfig":
+    def from_dict(cls, values: dict) -> DrafterConfig:
         if not isinstance(values, dict):
             raise DFlashCacheError(f"a drafter config must be a JSON object, not {type(values).__name__}.")
         known = {f.name for f in fields(cls)}
@@ -152,11 +165,19 @@ def load_drafter_config(name_or_path: str | Path) -> DrafterConfig:
         values = json.loads(path.read_text())
     except (json.JSONDecodeError, RecursionError) as e:
         raise DFlashCacheError(f"drafter config {path} is not valid JSON: {e}.") from None
-    if isinstance(values, dict) and "dflash_config" in values:
-        from dflash_cache.drafter.reference import config_from_reference
+    return config_from_file(values, path)
 
-        return config_from_reference(values)
-    return DrafterConfig.from_dict(values)
+
+def config_from_file(values: object, path: Path) -> DrafterConfig:
+    """The config a JSON file holds (our fields or a reference `config.json`), checked; errors name `path`."""
+    try:
+        if isinstance(values, dict) and "dflash_config" in values:
+            from dflash_cache.drafter.reference import config_from_reference
+
+            return config_from_reference(values)
+        return DrafterConfig.from_dict(values)
+    except DFlashCacheError as e:
+        raise DFlashCacheError(f"{path}: {e}") from None
 
 
 def adapt_to_cache(

@@ -6,9 +6,9 @@ neither broadcasts nor synchronises them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,7 +26,7 @@ class TargetHead:
     lm_head: torch.Tensor  # [V, H]
 
     @classmethod
-    def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "TargetHead":
+    def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> TargetHead:
         """Read `head.safetensors` (as the extract stage writes it into `CACHE/target/`)."""
         path = Path(path)
         if not path.is_file():
@@ -65,8 +65,8 @@ class TargetHead:
     def hidden_size(self) -> int:
         return int(self.lm_head.shape[1])
 
-    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TargetHead":
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TargetHead:
         return TargetHead(fn(self.embed_tokens), fn(self.norm), fn(self.lm_head))
 
-    def to(self, *args, **kwargs) -> "TargetHead":
+    def to(self, *args, **kwargs) -> TargetHead:
         return self.apply(lambda t: t.to(*args, **kwargs))

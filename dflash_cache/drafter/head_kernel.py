@@ -3,11 +3,10 @@
 For each row of a chunk of logits [R, V]: the log-sum-exp, the argmax and the label's logit in one
 online pass (running maximum, rescaled sum of exponentials) split over SEGMENTS programs a row and
 combined by a small second kernel, then, for the gradient, (softmax - onehot) * row_weight written in a
-second pass. With one program a row, a 1024-row chunk filled the GPU poorly: one step's statistics took
-1.89 ms (2.0 TB/s) against 1.49 ms with 8 segments on an H200 (16 and 32 segments, 8 warps: no better;
-BENCHMARKS.md session 19). Inductor's code for the same math in torch (head_loss.reference_terms) was
-slower: with this kernel the compiled 27B drafter step took 254.4 ms on an H200 against 259.5 ms, and
-7.6 GB less memory (BENCHMARKS.md, session 14). `row_terms`
+second pass. With one program a row, a 1024-row chunk filled the GPU poorly; 8 segments were the fastest measured (16
+and 32 segments, or 8 warps, no better). Inductor's code for the same math in torch
+(head_loss.reference_terms) was slower and took more memory in the compiled 27B drafter step
+(benchmarks/head_loss.py, BENCHMARKS.md "Drafter step"). `row_terms`
 is a torch custom op, so the compiled drafter and the eager regions trace it as one call;
 head_loss.reference_terms, what the CPU runs, is the reference it is tested against.
 """

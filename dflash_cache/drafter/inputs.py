@@ -20,9 +20,11 @@ class DraftInputs:
     positions: torch.Tensor  # [T] int64, position inside the token's own sequence
     seq_ids: torch.Tensor  # [T] int64
     anchors: torch.Tensor  # [A] int64 packed indices, sorted
+    topk_ids: torch.Tensor | None = None  # [T, K] int64, the target's top-K next tokens (when loaded)
+    topk_logprobs: torch.Tensor | None = None  # [T, K] fp32
 
     @classmethod
-    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> "DraftInputs":
+    def build(cls, batch: FeatureBatch, anchors: torch.Tensor) -> DraftInputs:
         return cls(
             input_ids=batch.input_ids,
             loss_mask=batch.loss_mask,
@@ -31,9 +33,11 @@ class DraftInputs:
             positions=batch.position_ids(),
             seq_ids=batch.sequence_ids(),
             anchors=anchors.long(),
+            topk_ids=batch.topk_ids,
+            topk_logprobs=batch.topk_logprobs,
         )
 
-    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> "DraftInputs":
+    def padded(self, token_budget: int, anchor_budget: int, block_size: int) -> DraftInputs:
         """Fixed shapes for the compiled drafter: `token_budget + block_size` tokens, `anchor_budget` anchors.
 
         The padding is one extra sequence with no loss-masked token; padding anchors sit at its start,
@@ -59,4 +63,6 @@ class DraftInputs:
             positions=torch.cat([self.positions, torch.arange(pad, device=self.positions.device)]),
             seq_ids=torch.cat([self.seq_ids, next_sequence.expand(pad)]),
             anchors=torch.cat([self.anchors, self.anchors.new_full((anchor_budget - a,), n)]),
+            topk_ids=None if self.topk_ids is None else torch.cat([self.topk_ids, zeros(self.topk_ids)]),
+            topk_logprobs=None if self.topk_logprobs is None else torch.cat([self.topk_logprobs, zeros(self.topk_logprobs)]),
         )

@@ -49,7 +49,7 @@ class BlockLayout:
     @classmethod
     def build(
         cls, seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int, tile: int = 128
-    ) -> "BlockLayout":
+    ) -> BlockLayout:
         n, a, b = seq_ids.shape[0], anchors.shape[0], block_size
         device = seq_ids.device
         q, kv = a * b, n + a * b
@@ -184,7 +184,7 @@ class BatchMasks:
     def build(
         cls, layout: BlockLayout, layer_types: list[str], sliding_window: int | None, dense: bool = False,
         tile: int = 128, group: int = 1,
-    ) -> "BatchMasks":
+    ) -> BatchMasks:
         windows = {"full_attention": None, "sliding_attention": sliding_window}
         by_type = {}
         for kind in dict.fromkeys(layer_types):

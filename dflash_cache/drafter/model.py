@@ -11,13 +11,14 @@ Parameter names follow the reference (`dflash.model.DFlashDraftModel`), so a sta
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.drafter.attention import attend, pack_heads
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
@@ -204,6 +205,8 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(hidden))
 
     def forward(
-        self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target"
+        self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target",
+        loss: str = LOSSES[0], dpace_alpha: float = DPACE_ALPHA,
     ) -> DrafterLoss:
-        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels, self.loss_terms)
+        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels, self.loss_terms,
+                            loss, dpace_alpha)

@@ -17,7 +17,7 @@ A region is compiled
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

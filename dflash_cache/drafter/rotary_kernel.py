@@ -5,10 +5,9 @@
 
 the query heads of a key head packed query by query, as drafter/attention.py `attend` takes them
 (G = 1 for keys). Inductor's code for the same chain (norm, rotary, the transposes into flex-attention's
-layout, and their backward) ran the 27B drafter's four such kernels a layer at 0.6 TB/s and under,
-3.45 ms of a compiled step (BENCHMARKS.md session 19); this pass reads x once and writes the layout
-once, computing sin and cos on the fly: q and k, forward and backward, 1.37 against 1.65 ms a layer on
-an H200, side by side (session 21). The backward
+layout, and their backward) ran the 27B drafter's four such kernels a layer well below the GPU's memory
+bandwidth; this pass reads x once and writes the layout once, computing sin and cos on the fly, and
+is faster side by side (BENCHMARKS.md, "Drafter step"). The backward
 recomputes the rotation from the positions and the norm from x and the saved reciprocal RMS.
 `norm_rotate_pack` is a torch custom op with its autograd, so the compiled drafter and the eager regions
 trace it as one call; model.py's torch code for the same chain, what the CPU and the dense reference
@@ -24,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 from triton.language.extra import libdevice
 
 # Tokens a program (one key head and its query heads each) and warps: the fastest of the five settings
-# timed in session 21 (16-64 tokens, 4-8 warps).
+# timed side by side (16-64 tokens, 4-8 warps).
 BLOCK_T = 32
 FORWARD_WARPS, BACKWARD_WARPS = 4, 8
 

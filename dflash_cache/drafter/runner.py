@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dflash_cache.batch import FeatureBatch
+from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.loss import DrafterLoss
 from dflash_cache.errors import DFlashCacheError
@@ -45,7 +46,8 @@ class DrafterRunner:
         if regions:
             self.drafter.compile_regions(backend)
 
-    def __call__(self, batch: FeatureBatch, anchors: torch.Tensor, gamma: float = 7.0, labels: str = "target") -> DrafterLoss:
+    def __call__(self, batch: FeatureBatch, anchors: torch.Tensor, gamma: float = 7.0, labels: str = "target",
+                 loss: str = LOSSES[0], dpace_alpha: float = DPACE_ALPHA) -> DrafterLoss:
         inputs = DraftInputs.build(batch, anchors)
         if self.compiled:
             inputs = inputs.padded(self.token_budget, self.anchor_budget, self.drafter.config.block_size)
@@ -54,4 +56,4 @@ class DrafterRunner:
         masks = None if self.compiled else self.drafter.masks(inputs)
         if self.compile_mode == "reduce-overhead":  # CUDA-graph trees: each call is a new step
             torch.compiler.cudagraph_mark_step_begin()
-        return self.forward(inputs, masks, gamma=gamma, labels=labels)
+        return self.forward(inputs, masks, gamma=gamma, labels=labels, loss=loss, dpace_alpha=dpace_alpha)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.runner import DrafterRunner
@@ -40,12 +41,14 @@ class OfflineOptions:
     seed: int | None = None
     gamma: float | None = None
     labels: str | None = None
+    loss: str | None = None
+    dpace_alpha: float | None = None
     device: str | None = None
 
-    def resolved(self, run_options: dict, device_type: str) -> "OfflineOptions":
+    def resolved(self, run_options: dict, device_type: str) -> OfflineOptions:
         token_budget, max_anchors = device_defaults(device_type)
         fallback = {"eval_fraction": 0.0, "token_budget": token_budget, "max_anchors": max_anchors, "seed": 0,
-                    "gamma": 7.0, "labels": "target"}
+                    "gamma": 7.0, "labels": "target", "loss": LOSSES[0], "dpace_alpha": DPACE_ALPHA}
         values = {name: getattr(self, name) if getattr(self, name) is not None else run_options.get(name, default)
                   for name, default in fallback.items()}
         return replace(self, **values)
@@ -100,13 +103,17 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
         slots = config.block_size - 1
         tau_sum, blocks, loss = 0.0, 0, 0.0
         correct, total = torch.zeros(slots, dtype=torch.float64), torch.zeros(slots, dtype=torch.float64)
-        with Loader(caches, [batch for _, batch in plan], device) as loader:
+        if opts.loss == "topk" and not spec.get("topk"):
+            raise DFlashCacheError("the drafter was trained with --loss topk, whose loss needs the target's top-K labels, "
+                                   "which this cache lacks: evaluate on a cache extracted with --topk K")
+        with Loader(caches, [batch for _, batch in plan], device, topk=opts.loss == "topk") as loader:
             for done, ((index, _), batch) in enumerate(zip(plan, loader), 1):
                 generator = torch.Generator(device).manual_seed(batch_seed(opts.seed, EVAL, 0, index))
                 anchors = sample_anchors(batch, config.block_size, opts.max_anchors, generator)
                 try:
                     with torch.autocast(device.type, dtype=torch.bfloat16):
-                        out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels)
+                        out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels, loss=opts.loss,
+                                     dpace_alpha=opts.dpace_alpha)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not is_out_of_memory(e):
                         raise

@@ -1,7 +1,7 @@
 """Fused kernels for the packed forward of a hybrid qwen3_5 target on CUDA (flash-linear-attention's).
 
 On the 64-layer Qwen3.6-27B shape a quarter of HF's packed forward runs outside the matmuls
-(benchmarks/results/2026-12-01-session4/call4_extract64_profile.txt): every RMSNorm is five kernels
+(a profile of `benchmarks/extract.py --profile DIR`): every RMSNorm is five kernels
 with fp32 copies of the whole activation, SwiGLU two, the gated RMSNorm of the linear-attention
 output about ten, and the query and key heads are copied out to the value heads' count before the
 gated delta rule. While `fused_kernels` is active these modules run as one kernel each, and the

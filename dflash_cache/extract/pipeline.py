@@ -25,26 +25,33 @@ import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 from dflash_cache.data.dataset import EncodeOptions, LoadedData
-from dflash_cache.data.readers import check_data_file
-from dflash_cache.data.plan_file import kept_plan
-from dflash_cache.data.tokenized import TokenizedData, tokenized_data
 from dflash_cache.data.plan import shard_for_rank
+from dflash_cache.data.plan_file import kept_plan
+from dflash_cache.data.readers import check_data_file
+from dflash_cache.data.tokenized import TokenizedData, tokenized_data
+from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.buckets import BucketLayout
+from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.packing import PackedLayout
+from dflash_cache.extract.spec import make_spec, tokenizer_hash
+from dflash_cache.extract.target import resolve_layer_ids
 from dflash_cache.extract.varlen import packed_support
 from dflash_cache.extract.warmup import start_background_warmup
-from dflash_cache.errors import DFlashCacheError
+from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.folders import check_holds_only
 from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
-from dflash_cache.extract.spec import make_spec, tokenizer_hash
-from dflash_cache.extract.info import TargetInfo, read_target_info
-from dflash_cache.extract.target import resolve_layer_ids
-from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
-from dflash_cache.store.codecs import check_codec
-from dflash_cache.store.manifest import (MANIFEST, build_manifest, read_journals, scan_journals, spec_differences, write_manifest,
-                                         write_remote_manifest)
 from dflash_cache.store.cache import TARGET_DIR
+from dflash_cache.store.codecs import check_codec
+from dflash_cache.store.manifest import (
+    MANIFEST,
+    build_manifest,
+    read_journals,
+    scan_journals,
+    spec_differences,
+    write_manifest,
+    write_remote_manifest,
+)
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
@@ -213,7 +220,7 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
         encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
         data = tokenized_data(opts.data, tokenizer, opts.max_length, tokenizer_hash(Path(opts.target)), opts.tokenized_dir,
-                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize)
+                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize, on_note)
         on_data(data.info)
         if not len(data.sample_ids):
             raise DFlashCacheError(
@@ -324,7 +331,7 @@ def _run_jobs(jobs: list[RankJob], on_progress: Callable[[Progress], None]) -> l
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise DFlashCacheError(f"{dead[0].name} died (exit code {dead[0].exitcode}); rerun the same command to resume")
+                    raise DFlashCacheError(f"{dead[0].name} died (exit code {dead[0].exitcode}); rerun the same command to resume") from None
                 continue
             if kind == "progress":
                 on_progress(payload)

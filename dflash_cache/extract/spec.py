@@ -49,6 +49,6 @@ def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: s
         # Which samples share a forward, and in what shape, changes stored bytes at bf16 rounding.
         "batching": None if layout is None else {"layout": type(layout).__name__, **dataclasses.asdict(layout)},
         # A run of another version writes other rows (format 2 added record ids) or other bytes
-        # (session-5 code runs fused kernels): resuming across versions would mix them.
+        # (a later version runs fused kernels): resuming across versions would mix them.
         "format_version": FORMAT_VERSION,
     }

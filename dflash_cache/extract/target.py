@@ -19,7 +19,6 @@ from dflash_cache.extract.info import SUPPORTED, read_target_info
 from dflash_cache.loading_bars import no_loading_bars
 
 
-
 @dataclass
 class Target:
     path: Path

@@ -15,7 +15,7 @@ times each in ten runs instead of 125 ms of runs. That still compiles kernel aft
 each kernel is timed before the forward goes on. So the side process below first runs a dry
 forward in which no autotuned kernel launches and the configurations of every kernel compile
 together on one pool (`compile_all_kernels_at_once`), then the forward that times them: on an
-H200, 25.6 s for the whole warm-up against 38.9 s kernel after kernel (BENCHMARKS.md, session 7).
+H200 this took a third off the whole warm-up against compiling kernel after kernel (benchmarks/warmup.py).
 Compiling in a pool of processes instead of threads did no better there.
 
 Compiling does not need the target's weights. For hybrid targets, whose linear-attention kernels
@@ -33,9 +33,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,8 +46,8 @@ from dflash_cache.extract.target import Target
 
 # The CPU's warm-up row is cut into sequences of at most this many tokens, not packing's 2,048: nothing
 # is compiled for their lengths there, and the CPU computes attention per sequence, at the square of its
-# length (tests/test_demo.py's end-to-end test, on the 2-core development machine, alternating: 19.6 and
-# 23.3 s with 2,048-token sequences, 9.2 and 9.8 s with 512). The warm-up row of a run with a token budget
+# length (tests/test_demo.py's end-to-end test, run alternately with each: about half the time with 512).
+# The warm-up row of a run with a token budget
 # up to 512 is as it was in the runs where the first-forward difference was seen and cured (the resume
 # tests, a budget of 300; docs/FAULTS.md, "Not covered").
 CPU_WARMUP_SEQUENCE = 512
@@ -76,13 +76,13 @@ def node_lock(folder: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _autotuners_patched(threads: int, make_run) -> Iterator[tuple[type, "_CompileAndBuildLauncher"] | None]:
+def _autotuners_patched(threads: int, make_run) -> Iterator[tuple[type, _CompileAndBuildLauncher] | None]:
     """While active, Triton's Autotuner.run is `make_run(the original run, AsyncCompileMode, compiler)`,
     `compiler` handing compilations to a pool of `threads`; yields (AsyncCompileMode, compiler), or
     None, patching nothing, with a Triton that has no asynchronous compile mode."""
     try:
-        from triton.runtime.autotuner import Autotuner
         from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.autotuner import Autotuner
     except ImportError:
         yield None
         return
@@ -138,8 +138,7 @@ def time_by_count(fn, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     """Triton's autotuner benchmark by count instead of by time: one run to warm up, then these
     quantiles (ms) of TIMED_RUNS. Triton's do_bench runs a kernel for 25 + 100 ms, with a 256 MB
     cache flush before each run: a 0.1 ms kernel of a packed row hundreds of times, mostly flush
-    and launch overhead (5 + 25 ms took 9.0 s for 136 configurations on an H200, 1 + 10 ms still
-    6.4 s; BENCHMARKS.md, session 7). The rows' tensors are far larger than the cache, so the flush
+    and launch overhead, seconds in all over a hybrid target's configurations. The rows' tensors are far larger than the cache, so the flush
     changes little but the time it takes."""
     fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(TIMED_RUNS)]

@@ -26,10 +26,9 @@ import torch
 from dflash_cache import faults
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.lock import NOT_WRITABLE
+from dflash_cache.extract.batch import Layout, to_device
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.batch import Layout, to_device
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.extract.target import Target, load_target
@@ -39,7 +38,7 @@ from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
-
+from dflash_cache.write_errors import write_failed
 
 GIL_SWITCH_S = 0.0002
 
@@ -230,9 +229,7 @@ class _Writer(threading.Thread):
                 for future in item:
                     self._write(future.result())
             except OSError as e:  # a full disk, a file-size limit, a read-only folder: the shard being written is dropped
-                advice = "make it writable" if e.errno in NOT_WRITABLE else "free space (or raise the file-size limit)"
-                self.error = DFlashCacheError(f"writing to {self.writer.root} failed: {e.strerror or e}; {advice} "
-                                              "and rerun the same command to resume")
+                self.error = write_failed(f"to {self.writer.root}", self.writer.root, e, "rerun the same command to resume")
                 self.writer.abort()
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.error = e

@@ -1,9 +1,11 @@
 """OpenAI-compatible chat servers: `vllm serve`, SGLang, `transformers serve`, or any other.
 
 Requests go to POST {url}/v1/chat/completions. A failed attempt (no connection, a timeout, HTTP 5xx,
-429 or 408) is retried with exponential backoff, each retry on the next server, so work flows around
-a server that went down; any other HTTP error (a prompt too long for the context, say) is the
-request's own and is not retried. The reasoning of a server's reasoning parser comes back as
+429 or 408, an answer that is no usable completion: answers.py) is retried with exponential backoff,
+each retry on the next server, so work flows around a server that went down; any other HTTP error (a
+prompt too long for the context, say) is the request's own and is not retried. An answer is read
+uncompressed, at most `AnswerLimits.max_bytes` of it, within `AnswerLimits.seconds` of sending the
+request (checked as each piece arrives; a server that sends nothing is given up after that long). The reasoning of a server's reasoning parser comes back as
 `reasoning_content` (vLLM's newer `reasoning` is read too).
 """
 
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
 
 from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.regenerate.answers import AnswerLimits, BadAnswer, read_answer
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 from dflash_cache.store.remote import redact
@@ -49,13 +53,14 @@ def api_base(url: str) -> str:
 
 class ServerPool:
     def __init__(self, urls: list[str], concurrency: int, retry: RetryPolicy = RetryPolicy(),
-                 stopping: threading.Event | None = None):
+                 stopping: threading.Event | None = None, limits: AnswerLimits | None = None):
         if not urls:
             raise DFlashCacheError("give at least one --server")
         self.urls = [api_base(url) for url in urls]
         if len(set(self.urls)) != len(self.urls):
             raise DFlashCacheError("a --server URL is given twice")
         self.retry = retry
+        self.limits = limits or AnswerLimits()
         self.stopping = stopping or threading.Event()
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
         self._http = httpx.Client(timeout=TIMEOUT, limits=limits)
@@ -91,40 +96,43 @@ class ServerPool:
             if settings.template_kwargs():
                 body["chat_template_kwargs"] = settings.template_kwargs()
             try:
-                response = self._http.post(f"{url}/chat/completions", json=body)
+                status, text = self._post(f"{url}/chat/completions", body, settings.max_tokens)
+                if status in RETRIED_STATUS:
+                    errors.append(_hide(f"{url}: HTTP {status} {_detail(text)}", url))
+                    continue
+                if status != 200:
+                    raise RequestFailed(_hide(f"{url} refused the request: HTTP {status} {_detail(text)}", url))
+                return read_answer(text)
             except httpx.HTTPError as e:
                 errors.append(_hide(f"{url}: {_reason(e)}", url))
-                continue
-            if response.status_code in RETRIED_STATUS:
-                errors.append(_hide(f"{url}: HTTP {response.status_code} {_detail(response)}", url))
-                continue
-            if response.status_code != 200:
-                raise RequestFailed(_hide(f"{url} refused the request: HTTP {response.status_code} {_detail(response)}", url))
-            return _completion(response, url)
+            except BadAnswer as e:
+                errors.append(_hide(f"{url} {e}", url))
         tries = f"{len(errors)} attempt(s)" if errors else "stopping"
         raise RequestFailed(f"failed after {tries}: {'; '.join(dict.fromkeys(errors)) or 'the run is stopping'}")
 
+    def _post(self, url: str, body: dict, max_tokens: int) -> tuple[int, bytes]:
+        """(HTTP status, body) of one attempt; BadAnswer for a body too large or too slow to arrive."""
+        limit, seconds = self.limits.max_bytes(max_tokens), self.limits.seconds(max_tokens)
+        deadline = time.monotonic() + seconds
+        timeout = httpx.Timeout(connect=TIMEOUT.connect, read=min(TIMEOUT.read, seconds), write=TIMEOUT.write, pool=None)
+        with self._http.stream("POST", url, json=body, timeout=timeout, headers={"Accept-Encoding": "identity"}) as response:
+            too_large = BadAnswer(f"answered with more than {limit:,} bytes, more than --max-tokens {max_tokens} can take")
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise too_large
+            pieces, size = [], 0
+            for piece in response.iter_raw():
+                size += len(piece)
+                if size > limit:
+                    raise too_large
+                if time.monotonic() > deadline:
+                    raise BadAnswer(f"timed out: the answer took more than {seconds:,.0f} s "
+                                    f"(the limit for --max-tokens {max_tokens})")
+                pieces.append(piece)
+            return response.status_code, b"".join(pieces)
+
     def close(self) -> None:
         self._http.close()
-
-
-def _completion(response: httpx.Response, url: str) -> Completion:
-    try:
-        data = response.json()
-        choice = data["choices"][0]
-        message = choice["message"]
-        usage = data.get("usage") or {}
-        return Completion(
-            content=message.get("content") or "",
-            reasoning_content=message.get("reasoning_content") or message.get("reasoning") or None,
-            tool_calls=message.get("tool_calls") or None,
-            finish_reason=str(choice.get("finish_reason")),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            model=str(data.get("model")),
-        )
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise RequestFailed(_hide(f"{url} answered with something that is not a chat completion: {response.text[:120]!r}",
-                                  url)) from None
 
 
 def _hide(message: str, url: str) -> str:
@@ -141,6 +149,6 @@ def _reason(error: httpx.HTTPError) -> str:
     return f"{type(error).__name__}: {first_line(error)}"
 
 
-def _detail(response: httpx.Response) -> str:
-    text = " ".join(response.text.split())
+def _detail(body: bytes) -> str:
+    text = " ".join(body.decode("utf-8", "replace").split())
     return f"({text[:200]})" if text else ""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.regenerate.answers import AnswerLimits
 from dflash_cache.regenerate.client import RequestFailed, RetryPolicy, ServerPool
 from dflash_cache.regenerate.conversations import (
     Completion,
@@ -45,6 +46,7 @@ class RegenerateOptions:
     concurrency: int = 64  # requests in flight (conversations being regenerated at once)
     on_error: str = "error"  # a request that keeps failing: "error" stops the run, "skip" skips its record
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    limits: AnswerLimits = field(default_factory=AnswerLimits)  # the bytes and seconds an answer may take
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _check(opts: RegenerateOptions) -> None:
 
 def _backend(opts: RegenerateOptions, stopping: threading.Event):
     if opts.servers:
-        pool = ServerPool(opts.servers, opts.concurrency, opts.retry, stopping)
+        pool = ServerPool(opts.servers, opts.concurrency, opts.retry, stopping, opts.limits)
         pool.probe()
         return pool
     from dflash_cache.regenerate.local import LocalTarget  # loads torch models: only when asked for

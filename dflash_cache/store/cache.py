@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from dflash_cache.store.paths import check_file_name, inside
 from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.remote import RangeFile, RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, StoredRow
+
+if TYPE_CHECKING:
+    import torch
 
 TARGET_DIR = "target"
 

@@ -19,12 +19,16 @@ extraction) and only the byte compression runs on host threads:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
 
 from dflash_cache.choices import CODECS
 from dflash_cache.errors import DFlashCacheError
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ZSTD_LEVEL = 1  # measured: level 1 is faster than 3 and no larger on byte-split activations

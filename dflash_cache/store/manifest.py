@@ -24,9 +24,18 @@ from dflash_cache.lock import FolderLock
 from dflash_cache.rowbits import RowBits
 from dflash_cache.store.codecs import CODECS, MAX_EXPANSION, encoded_size
 from dflash_cache.store.paths import check_shard_path, is_file_name
-from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, ShardRecord, fsync_dir, iter_journal, read_journal, shard_name
+from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
+from dflash_cache.store.shard import (
+    JOURNAL_DIR,
+    SHARD_DIR,
+    ShardRecord,
+    fsync_dir,
+    iter_journal,
+    read_journal,
+    shard_name,
+)
+from dflash_cache.write_errors import write_failed
 
 MANIFEST = "manifest.json"
 
@@ -284,13 +293,17 @@ def build_manifest(state: JournalState, extra: dict | None = None) -> dict:
 def write_manifest(root: Path, manifest: dict) -> Path:
     path = Path(root) / MANIFEST
     tmp = path.with_name(MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, separators=(",", ":"))
-        faults.point("manifest.write")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, separators=(",", ":"))
+            faults.point("manifest.write")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:  # a full disk: the journals hold everything, a rerun writes the manifest from them
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, root, e, "rerun the same extract command to finish the cache") from None
     return path
 
 

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.cache import Cache, cut_shard_error
 from dflash_cache.store.codecs import decode
 from dflash_cache.store.integrity import check_journals, check_target_files
 from dflash_cache.store.shard import ShardReader, ShardRecord, file_sha256
-
-import torch
 
 
 @dataclass

@@ -50,19 +50,24 @@ class HostBatch:
     planes: torch.Tensor  # uint8 [P, N * width * bytes]: plane p of every sample, in order
     scales: torch.Tensor | None  # fp32 [N, L] for fp8-zstd
     cu_seqlens: torch.Tensor  # int32 [S+1]
+    topk_ids: torch.Tensor | None = None  # int64 [N, K], when the loader reads the top-K labels
+    topk_logprobs: torch.Tensor | None = None  # fp32 [N, K]
 
 
-def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_tokens: int = 0) -> HostBatch:
+def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_tokens: int = 0,
+                     topk: bool = False) -> HostBatch:
     """Host buffers for a batch. The planes sit at the front of a buffer sized for `capacity_tokens`
     (the largest batch of the run), so every batch asks the pinned-memory cache for the same size and
     reuses a freed block: sizes that vary from batch to batch fall into different power-of-two
-    classes, and each new class costs a fresh page-locking allocation on the training thread."""
+    classes, and each new class costs a fresh page-locking allocation on the training thread.
+    `topk`: with buffers for the cache's top-K labels."""
     offsets = [0, *itertools.accumulate(caches.lengths[k] for k in keys)]
     n = offsets[-1]
     num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
     new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
     layers = len(caches.spec["layer_ids"])
     plane_bytes = n * caches.width * value_bytes
+    k = caches.spec.get("topk", 0) if topk else 0
     buffer = new(num_planes * max(n, capacity_tokens) * caches.width * value_bytes, dtype=torch.uint8)
     return HostBatch(
         keys=list(keys),
@@ -74,15 +79,19 @@ def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_
         planes=buffer[: num_planes * plane_bytes].view(num_planes, plane_bytes),
         scales=new(n, layers, dtype=torch.float32) if caches.codec == "fp8-zstd" else None,
         cu_seqlens=new(len(offsets), dtype=torch.int32).copy_(torch.tensor(offsets, dtype=torch.int32)),
+        topk_ids=new(n, k, dtype=torch.int64) if k else None,
+        topk_logprobs=new(n, k, dtype=torch.float32) if k else None,
     )
 
 
-def check_token_ids(row: Row, vocab: int) -> None:
+def check_token_ids(row: Row, vocab: int, topk: bool = False) -> None:
     """Token ids index the target's embeddings and, as labels, each row of the LM-head loss's logits,
     whose GPU kernel reads the label's logit unchecked: an id outside the vocabulary, in a damaged or
-    foreign cache, stops here rather than there."""
-    for name in ("input_ids", "target_ids"):
+    foreign cache, stops here rather than there. `topk`: the top-K ids too (when the batch reads them)."""
+    for name in ("input_ids", "target_ids", *(("topk_ids",) if topk else ())):
         ids = getattr(row, name)
+        if ids is None:
+            continue
         outside = (ids < 0) | (ids >= vocab)
         if outside.any():
             raise DFlashCacheError(f"{name} holds token id {ids[outside][0]}, outside the target's vocabulary of "
@@ -95,7 +104,7 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     start, end = batch.offsets[index], batch.offsets[index + 1]
     try:
         row = caches.read(key)  # its token count checked against the manifest's
-        check_token_ids(row, caches.spec["target"]["vocab_size"])
+        check_token_ids(row, caches.spec["target"]["vocab_size"], topk=batch.topk_ids is not None)
         planes = batch.planes.numpy()
         per_token = planes.shape[1] // batch.offsets[-1]
         decompress_into(row.hidden, caches.codec, planes[:, start * per_token : end * per_token])
@@ -111,6 +120,13 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     batch.input_ids.numpy()[start:end] = row.input_ids
     batch.loss_mask.numpy()[start:end] = row.loss_mask
     batch.target_ids.numpy()[start:end] = row.target_ids
+    if batch.topk_ids is not None:
+        k = batch.topk_ids.shape[1]
+        if row.topk_ids is None or len(row.topk_ids) != (end - start) * k or len(row.topk_logprobs) != len(row.topk_ids):
+            raise DFlashCacheError(f"reading {caches.describe(key)}: its top-K labels are missing or not {k} a token; "
+                                   "the cache is damaged")
+        batch.topk_ids.numpy()[start:end] = row.topk_ids.reshape(-1, k)
+        batch.topk_logprobs.numpy()[start:end] = row.topk_logprobs.reshape(-1, k)
 
 
 def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> FeatureBatch:
@@ -125,6 +141,8 @@ def to_device(host: HostBatch, codec: str, width: int, device: torch.device) -> 
         target_ids=move(host.target_ids),
         hidden=decode(move(host.planes).reshape(-1), scales, codec, n, width),
         cu_seqlens=move(host.cu_seqlens),
+        topk_ids=None if host.topk_ids is None else move(host.topk_ids),
+        topk_logprobs=None if host.topk_logprobs is None else move(host.topk_logprobs),
     )
 
 
@@ -132,17 +150,19 @@ class Loader:
     """Iterates the FeatureBatches of `batches` (lists of keys) in order, reading ahead.
 
     An error in a reader thread is raised by the next `__next__` that sees it (it waits on every
-    pending row, not only the head batch's). Use as a context manager, or call `close()`.
+    pending row, not only the head batch's). Use as a context manager, or call `close()`. `topk`: the
+    batches also carry the cache's top-K labels (a cache extracted with --topk).
     """
 
     def __init__(self, caches: CacheSet, batches: Sequence[Sequence[int]], device: torch.device | str,
-                 prefetch: int = 4, workers: int = 8):
+                 prefetch: int = 4, workers: int = 8, topk: bool = False):
         if prefetch < 1 or workers < 1:
             raise DFlashCacheError(f"--prefetch and --workers must be at least 1 (got {prefetch}, {workers})")
         self.caches = caches
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.prefetch = prefetch
+        self.topk = topk
         self._todo = deque(batches)
         self._capacity = max((sum(caches.lengths[k] for k in batch) for batch in self._todo), default=0)
         self._host: deque[tuple[HostBatch, list[cf.Future]]] = deque()
@@ -153,7 +173,8 @@ class Loader:
 
     def _fill(self) -> None:
         while self._todo and len(self._host) < self.prefetch:
-            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity)
+            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity,
+                                     topk=self.topk)
             # Rows in shard order: a shard's rows in this batch are read while it is open in the pool.
             order = sorted(range(len(batch.keys)), key=lambda i: self.caches.read_order(batch.keys[i]))
             futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in order]
@@ -204,8 +225,10 @@ class Loader:
         if done is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(done)
-            for t in (batch.input_ids, batch.loss_mask, batch.target_ids, batch.hidden, batch.cu_seqlens):
-                t.record_stream(consumer)  # allocated on the side stream, used on this one
+            for t in (batch.input_ids, batch.loss_mask, batch.target_ids, batch.hidden, batch.cu_seqlens,
+                      batch.topk_ids, batch.topk_logprobs):
+                if t is not None:
+                    t.record_stream(consumer)  # allocated on the side stream, used on this one
         if self.cuda and self._head_ready(block=False):
             self._stage()  # the copy of the next batch overlaps this batch's step
         return batch

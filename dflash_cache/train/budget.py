@@ -32,8 +32,8 @@ GPU_SHARE = 0.85
 CPU_DEFAULTS = (2048, 8)
 BF16, FP32 = 2, 4
 # The dense-mask attention holds about this many bytes per (query, key) pair of a batch: the bool mask,
-# its float form and the kernel's working memory, measured on the CPU (2-core development machine,
-# torch 2.13: 1.03, 2.53 and 5.22 GB at 38, 130 and 314 million pairs, with the per-query terms below).
+# its float form and the kernel's working memory, measured on a CPU (torch 2.13:
+# 1.03, 2.53 and 5.22 GB at 38, 130 and 314 million pairs, with the per-query terms below).
 DENSE_PAIR_BYTES = 10
 
 
@@ -100,7 +100,7 @@ def fitting_anchor_cap(config: DrafterConfig, head_bytes: int, batches: Sequence
     """The most anchors per batch, a multiple of `step`, with which a GPU training step of every batch fits in
     `have` bytes; None when not even `step` anchors fit."""
     # A step's memory grows with its tokens and its anchors: only batches that no other batch exceeds in both
-    # can be the largest, so those few are tried at each cap, not the whole plan (50,000 batches: 3.8 s).
+    # can be the largest, so those few are tried at each cap, not the whole plan.
     frontier, most = [], -1
     for tokens, anchors in sorted(((sum(b), batch_anchors(b, config.block_size, max_anchors)) for b in batches),
                                   reverse=True):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
@@ -29,11 +30,13 @@ from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.store.shard import fsync_dir
 from dflash_cache.train.optim import full_precision_weights, load_full_precision_weights
 from dflash_cache.train.state_io import load_state, save_state
+from dflash_cache.write_errors import write_failed
 
 CHECKPOINT_DIR = "checkpoints"
 TRAIN_STATE = "train_state"  # .json + .safetensors
 COMPLETE = "complete.json"
 _NAME = re.compile(r"step-(\d+)")
+_DAMAGED = "the checkpoint is damaged: move its folder away to resume from the one before, or start a new run"
 
 
 def rng_state() -> dict:
@@ -70,14 +73,19 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
-    save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
-    faults.point("checkpoint.write")
-    (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
-    _fsync_tree(tmp)
     final = root / f"step-{step}"
+    try:
+        tmp.mkdir()
+        save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
+        save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
+        faults.point("checkpoint.write")
+        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        _fsync_tree(tmp)
+    except (OSError, SafetensorError) as e:  # a full disk: the half-written folder goes, the last complete one stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(final, root, e, "rerun the same train command with --resume to continue from the last "
+                                           "complete checkpoint") from None
     if final.exists():  # a resumed run saving a step that an earlier attempt also saved
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -123,8 +131,27 @@ def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim
     load_full_precision_weights(drafter, optimizer, weights)
     state = load_state(path, TRAIN_STATE)
     try:
+        _check_optimizer_state(state["optimizer"], optimizer, drafter, path / f"{TRAIN_STATE}.safetensors")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         return {"position": state["position"], "rng": state["rng"]}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise DFlashCacheError(f"{path}: the training state does not fit this run ({first_line(e)})") from None
+
+
+def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, drafter: torch.nn.Module, where: Path) -> None:
+    """Each saved moment has its parameter's shape and only finite values: otherwise the first step
+    failed on a shape naming no file, or its NaN loss was blamed on the data."""
+    names = {p: name for name, p in drafter.named_parameters()}
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, p in zip(saved_ids, params):
+        for key, value in saved["state"].get(saved_id, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            what = f"optimizer state {key} of {names.get(p, f'parameter {saved_id}')}"
+            if key != "step" and value.shape != p.shape:
+                raise DFlashCacheError(f"{where}: {what} is {list(value.shape)}, the parameter is {list(p.shape)}; "
+                                       f"{_DAMAGED}")
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise DFlashCacheError(f"{where}: {what} holds non-finite values; {_DAMAGED}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.remote import is_remote
 
@@ -37,6 +38,8 @@ class TrainConfig:
     anchors_per_batch: int | None = None
     gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
     labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
+    loss: str = LOSSES[0]  # the training objective, one of LOSSES (drafter/loss.py)
+    dpace_alpha: float = DPACE_ALPHA  # with loss "dpace": each slot's confidence q counts as alpha + (1 - alpha) q
     compile: bool = False
     compile_backend: str = "inductor"
     eval_fraction: float = 0.01
@@ -84,6 +87,12 @@ class TrainConfig:
             raise DFlashCacheError(f"--seed must be at least 0 (got {self.seed})")
         if self.labels not in ("target", "tokens"):
             raise DFlashCacheError(f"--labels must be target or tokens (got {self.labels!r})")
+        if self.loss not in LOSSES:
+            raise DFlashCacheError(f"--loss must be one of {', '.join(LOSSES)} (got {self.loss!r})")
+        if self.loss == "topk" and self.labels != "target":
+            raise DFlashCacheError("--loss topk distils the target's own distribution; it needs --labels target")
+        if not 0 < self.dpace_alpha <= 1:
+            raise DFlashCacheError(f"--dpace-alpha must be in (0, 1] (got {self.dpace_alpha})")
         if self.gamma <= 0:
             raise DFlashCacheError(f"--gamma must be positive (got {self.gamma})")
         if self.grad_clip <= 0:  # a negative norm would flip the gradients' sign
@@ -120,6 +129,9 @@ class TrainConfig:
             return
         if not self.data:
             raise DFlashCacheError("--live-target needs --data FILE: the samples the target runs over")
+        if self.loss == "topk":
+            raise DFlashCacheError("--loss topk reads the target's top-K labels from a cache extracted with --topk K; "
+                                   "--live-target computes none: use --cache, or --loss dflash or dpace")
         if self.local_cache is not None:
             raise DFlashCacheError("--local-cache applies only with --cache")
         if self.target_gpus is not None and not self.target_gpus:
@@ -135,4 +147,8 @@ class TrainConfig:
         kept = {name: values[name] for name in keep}
         if self.anchors_per_batch is not None:  # absent from the runs that predate it, which can still resume
             kept["anchors_per_batch"] = self.anchors_per_batch
+        if self.loss != LOSSES[0]:  # likewise
+            kept["loss"] = self.loss
+            if self.loss == "dpace":
+                kept["dpace_alpha"] = self.dpace_alpha
         return kept

@@ -60,8 +60,8 @@ def check_head(caches: CacheSet) -> Path:
 
 def build_drafter(config: DrafterConfig, head: TargetHead, device: torch.device, seed: int) -> DFlashDrafter:
     """fp32 weights initialised from `seed` on `device` itself (the same on every rank), with the bf16
-    target head. Drawn on the host and copied over, a 27B drafter's 1.73 B weights took 38 s on a
-    2-core machine before the first step (session 14)."""
+    target head. Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
+    on a small CPU before the first step."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = DFlashDrafter(config)

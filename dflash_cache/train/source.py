@@ -44,7 +44,7 @@ class Source(ABC):
     def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
         return self.keyed.split(eval_fraction)
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - a default that checks nothing, not a method to implement
         """Raises if the target files the drafter config reads are damaged."""
 
     def close(self) -> None:
@@ -70,15 +70,20 @@ class Source(ABC):
 class CacheSource(Source):
     """Caches read through the prefetching loader."""
 
-    def __init__(self, caches: CacheSet, prefetch: int, workers: int):
+    def __init__(self, caches: CacheSet, prefetch: int, workers: int, topk: bool = False):
+        """`topk`: batches carry the caches' top-K labels, which they must have."""
         super().__init__(caches)
         self.caches = caches
         self.prefetch = prefetch
         self.workers = workers
+        self.topk = topk
         self.where = "" if len(caches.caches) == 1 else " (union of caches)"
 
     def check(self) -> None:
         check_head(self.caches)
+        if self.topk and not self.spec.get("topk"):
+            raise DFlashCacheError(f"--loss topk needs the target's top-K labels, which {self.caches.caches[0].root} lacks: "
+                                   "extract it with --topk K (e.g. --topk 8), or train with --loss dflash or dpace")
         for cache in self.caches.caches:
             masked = cache.manifest.get("extract", {}).get("masked_tokens")
             if masked is not None and sum(masked.values()) == 0:
@@ -97,7 +102,7 @@ class CacheSource(Source):
         return TargetHead.load(check_head(self.caches), device=device)
 
     def batches(self, plan: Sequence[Sequence[int]], device: torch.device) -> Batches:
-        return Loader(self.caches, plan, device, self.prefetch, self.workers)
+        return Loader(self.caches, plan, device, self.prefetch, self.workers, self.topk)
 
 
 class LiveTargetSource(Source):
@@ -128,7 +133,7 @@ def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | N
     gives it already loaded (benchmarks build one in place)."""
     if cfg.live_target is None:
         caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes, cfg.max_open_shards, verify_shards=True)
-        return CacheSource(caches, cfg.prefetch, cfg.workers)
+        return CacheSource(caches, cfg.prefetch, cfg.workers, topk=cfg.loss == "topk")
     live = LiveSource(target or cfg.live_target, cfg.data, cfg.layers, cfg.num_draft_layers, target_device,
                       cfg.max_length, forward_tokens=None if cfg.exact_target else cfg.token_budget)
     return LiveTargetSource(live)

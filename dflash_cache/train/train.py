@@ -27,12 +27,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash_cache import faults
 from dflash_cache.batch import FeatureBatch
-from dflash_cache.store.pool import default_pool_size
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.lock import FolderLock
+from dflash_cache.store.pool import default_pool_size
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -62,7 +62,6 @@ from dflash_cache.train.checkpoint import (
     set_rng_state,
 )
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.units import size as gb
 from dflash_cache.train.distributed import (
     Rank,
     all_gather_objects,
@@ -79,6 +78,7 @@ from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_s
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import Source, check_target_gpus, open_source, target_device
+from dflash_cache.units import size as gb
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
@@ -338,7 +338,8 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[Fe
         try:
             with sync:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
                 (out.loss / len(micro)).backward()
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
@@ -380,7 +381,8 @@ def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, li
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
             try:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels)
+                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
+                                 dpace_alpha=cfg.dpace_alpha)
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not is_out_of_memory(e):
                     raise
