@@ -40,7 +40,7 @@ if TYPE_CHECKING:
               help="A malformed line, a record with nothing to train on or a chat-template error: stop naming file:line, or skip it (counted, and listed with file:line and reason in the manifest).")
 @click.option("--chat-template-kwargs", "chat_template_kwargs", metavar="JSON",
               help='Extra chat-template options as a JSON object, e.g. \'{"enable_thinking": false}\' (part of the cache spec).')
-@click.option("--strict-template", is_flag=True, help="A conversation the chat template does not render as the data has it (reasoning or tool calls dropped, prompts that are not prefixes) is a bad record, not a warning.")
+@click.option("--strict-template", is_flag=True, help="A conversation whose rendered turns differ from what generation sees (prompts that are not prefixes, no end-of-turn token) is a bad record, not a warning (a template that leaves out reasoning or tool calls always makes one).")
 @click.option("--max-record-bytes", type=click.IntRange(min=1), help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.")
 @click.option("--batching", type=click.Choice(["auto", "packed", "padded"]), default="auto", show_default=True,
               help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, qwen3_5, qwen2, llama); "

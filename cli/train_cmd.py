@@ -97,9 +97,10 @@ from dflash_cache_cli.options import INT_LIST, LAYER_RULE
                    "each sample by byte ranges).")
 @click.option("--local-cache-size", type=float,
               help="GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.")
-@click.option("--max-open-shards", type=int, default=DEFAULT_MAX_OPEN_SHARDS, show_default=True,
-              help="Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
-                   "and one memory map each, whatever the number of shards.")
+@click.option("--max-open-shards", type=int,
+              help=f"Shard files each GPU's readers keep open (least recently used closed first): one file descriptor "
+                   f"and one memory map each, whatever the number of shards (default: {DEFAULT_MAX_OPEN_SHARDS}, or a "
+                   f"quarter of `ulimit -n` where that is lower).")
 @click.option("--follow", is_flag=True,
               help="Start while the cache is still being extracted: the first epoch trains on each shard once it is "
                    "committed, waiting for the next one (and saying so); later epochs use the whole cache. Needs --steps.")

@@ -58,6 +58,7 @@ FAMILIES = {
                                 ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
                                  "[CALL_ID]", "[ARGS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                                  "[/TOOL_RESULTS]", "[TOOL_CONTENT]"], [], "</s>", "<s>"),
+    "smollm3": Family("smollm3-3b.jinja", QWEN_SPECIAL, QWEN_PLAIN, "<|im_end|>"),
     "mistral-small-3.1": Family("mistral-small-3.1-24b-instruct-2503.jinja",
                                 ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
                                  "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>"),
@@ -95,6 +96,7 @@ CASES = {
                                   {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>\nR2.\n</think>\n\nA2"}]},
 }
 INLINE = ["<think>\nR1.\n</think>\n\nA1", "<think>\nR2.\n</think>\n\nA2"]
+INLINE_MASKED = ["<think>\nR1.\n</think>\n\nA1<|im_end|>", "<think>\nR2.\n</think>\n\nA2<|im_end|>"]
 
 REFUSED = ["the template's own refusal"]
 REFUSALS = {("gemma2", "system_multi"): "System role not supported",
@@ -102,6 +104,8 @@ REFUSALS = {("gemma2", "system_multi"): "System role not supported",
 QWEN_CLOSE = "\n</think>\n\n"  # the generation prompt opens the think block; the model closes it
 GPT_FINAL = "<|channel|>final<|message|>"
 EOS_DS = "<｜end▁of▁sentence｜>"
+# Templates that concatenate a tool call's arguments as a string (`+ tool['function']['arguments'] +`)
+TEXT_ARGUMENTS = {"deepseek-r1-distill", "deepseek-v3.1", "deepseek-r1-distill-llama"}
 EXPECTED = {
     "qwen3": {
         "single": [QWEN_CLOSE + "Hello there.<|im_end|>"],
@@ -185,6 +189,17 @@ EXPECTED = {
         "parts": ["A2<|im_end|>"],
         "trailing_user": ["A1<|im_end|>"],
         "inline_think": ["A1<|im_end|>", "R2." + QWEN_CLOSE + "A2<|im_end|>"],
+    },
+    "smollm3": {  # no reasoning field, no tool calls: a tool-call turn is its markup alone, whose end is generated
+        "single": ["Hello there.<|im_end|>"],
+        "system_multi": ["A1<|im_end|>", "A2<|im_end|>"],
+        "reasoning_content": ["A.<|im_end|>"],
+        "thinking": ["A.<|im_end|>"],
+        "tools": ["<|im_end|>", "Sunny.<|im_end|>"],
+        "empty": ["<|im_end|>"],
+        "parts": ["A2<|im_end|>"],
+        "trailing_user": ["A1<|im_end|>"],
+        "inline_think": INLINE_MASKED,
     },
     "qwen2.5": {
         "single": ["Hello there.<|im_end|>"],
@@ -308,6 +323,8 @@ UNFAITHFUL = {
                        "the prompt of assistant turn 3 is not a prefix of the conversation"],
     **{(family, case): ["the template does not render the reasoning of assistant turn 1"]
        for family in ("qwen2.5", "gemma2", "mistral-nemo") for case in ("reasoning_content", "thinking")},
+    **{("smollm3", case): ["the template does not render the reasoning of assistant turn 1"] for case in ("reasoning_content", "thinking")},
+    ("smollm3", "tools"): ["the template does not render the tool call of assistant turn 1"],
     ("qwen3.5", "system_multi"): ["the prompt of assistant turn 2 is not a prefix of the conversation"],
     ("qwen3.5", "trailing_user"): ["the prompt of assistant turn 1 is not a prefix of the conversation"],
     ("qwen3-hybrid", "inline_think"): ["the template does not render the reasoning of assistant turn 1"],
@@ -355,13 +372,32 @@ def test_mask_of_every_case(family, case):
             encode(tokenizer, CASES[case])
         return
     messages, tools, encoded = encode(tokenizer, CASES[case])
+    expected, notes = EXPECTED[name][case], UNFAITHFUL.get((name, case), [])
+    if (name, case) == ("deepseek-r1-distill-llama", "tools") and not keeps_null_values(tokenizer):
+        # Its tool calls render only under a null content, which this transformers leaves out of the messages.
+        # The turn is rendered as its markup alone, `<｜Assistant｜><｜end▁of▁sentence｜>`.
+        expected = [EOS_DS, "Sunny." + EOS_DS]
+        notes = ["the template does not render the tool call of assistant turn 1",
+                 "the prompt of assistant turn 1 is not a prefix of the conversation"]
+    assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == expected
+    assert [*encoded.dropped, *encoded.unfaithful] == notes
+    assert encoded.dropped == [n for n in notes if "not render" in n]
+    if encoded.dropped:
+        return
+    if name in TEXT_ARGUMENTS:
+        messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": str(c["function"]["arguments"])}}
+                                         for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     try:
         reference = tokenizer.apply_chat_template(messages, tools=tools)["input_ids"]
     except (TypeError, UndefinedError):  # templates that refuse a null content get "" (gpt-oss, QwQ)
         reference = tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages], tools=tools)["input_ids"]
     assert encoded.input_ids == list(reference)
-    assert masked_runs(tokenizer, encoded.input_ids, encoded.loss_mask) == EXPECTED[name][case]
-    assert encoded.unfaithful == UNFAITHFUL.get((name, case), [])
+
+
+def keeps_null_values(tokenizer) -> bool:
+    """Whether apply_chat_template hands a template the keys whose value is None."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": None}], tokenize=False,
+                                         chat_template="{{ messages[0].content is none }}") == "True"
 
 
 def test_templates_own_refusals_stay_errors():

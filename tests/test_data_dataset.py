@@ -173,18 +173,22 @@ def test_one_huge_line_costs_little_memory(tmp_path, tokenizer):
     assert peak < 16 << 20, peak
 
 
-def test_unfaithful_template_is_counted_or_refused(tmp_path):
-    """A template that drops reasoning: counted with examples, or a bad record with strict_template."""
+def test_a_template_that_leaves_out_a_field_makes_a_bad_record(tmp_path):
+    """A template that drops reasoning: an error naming the field, or with --on-bad-record skip a listed
+    bad record; never a sample that quietly lacks it."""
     tokenizer = build_tokenizer()  # tests/tiny.py's template renders content only
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                             {"role": "assistant", "reasoning_content": "think", "content": "a"}]}) + "\n")
-    data = load_all([path], tokenizer, 64)
-    assert data.unfaithful == 1 and data.unfaithful_examples == [
-        f"{path}:1: the template does not render the reasoning of assistant turn 1"]
-    assert data.report()["unfaithful"] == {"count": 1, "examples": data.unfaithful_examples}
-    with pytest.raises(DFlashCacheError, match=r"r.jsonl:1: the chat template does not render this conversation faithfully"):
-        load_all([path], tokenizer, 64, options=EncodeOptions(64, strict_template=True))
+    dropped = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "reasoning_content": "think", "content": "a"}]}
+    kept = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text(json.dumps(dropped) + "\n" + json.dumps(kept) + "\n")
+    reason = ("the chat template leaves out what the data has (the template does not render the reasoning of "
+              "assistant turn 1): remove it from the record, or skip such records with --on-bad-record skip")
+    with pytest.raises(DFlashCacheError) as error:
+        load_all([path], tokenizer, 64)
+    assert str(error.value) == f"{path}:1: {reason}"
+    data = load_all([path], tokenizer, 64, on_bad_record="skip")
+    assert data.bad_records == [{"where": f"{path}:1", "reason": reason}]
+    assert [s.sample_id for s in data.samples] == [1] and data.unfaithful == 0
 
 
 def test_masked_token_kinds(tmp_path, tokenizer):

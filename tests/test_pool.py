@@ -162,3 +162,28 @@ def test_training_on_5000_shards_under_ulimit_256_keeps_the_pool_bound(tmp_path)
     records = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
     assert sum(r["tokens"] for r in records if "loss" in r) > 4 * 2500  # ~375 shards per batch, ~1,500 in all
+
+
+@pytest.mark.slow  # a CLI process importing torch and transformers
+def test_train_with_defaults_on_700_shards_under_a_soft_limit_of_128(tmp_path):
+    """The pool's default fits the process's descriptor limit, and the run says it shrank it."""
+    import resource
+
+    from tests.test_train_helpers import HIDDEN, LAYERS, VOCAB, drafter_json, write_head
+
+    cache = tmp_path / "cache"
+    spec = random_spec(layer_ids=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB)
+    write_one_row_shards(cache, [6 + i % 5 for i in range(700)], spec)
+    write_head(cache)
+    drafter_json(tmp_path / "drafter.json")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_cache_cli.main", "train", "--cache", str(cache), "--out", str(tmp_path / "run"),
+         "--drafter", str(tmp_path / "drafter.json"), "--steps", "2", "--token-budget", "400", "--max-anchors", "2",
+         "--eval-fraction", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("at most 32 shard files open at once (not 128): a quarter of this process's limit of 128 file "
+            "descriptors; raise `ulimit -n` or set --max-open-shards") in result.stdout
+    assert "step 2/2 | loss" in result.stdout

@@ -86,7 +86,7 @@ class LoadedData:
     source_hash: str  # sha256 over the bytes of the data files, in the order given
     bad_records: list[dict] = field(default_factory=list)  # {"where", "reason"} of records left out
     untrainable: list[dict] = field(default_factory=list)  # {"where", "sample_id"}: nothing to train on
-    unfaithful: int = 0  # conversations the chat template does not render as the data has them
+    unfaithful: int = 0  # conversations whose rendered turns differ from what generation sees
     unfaithful_examples: list[str] = field(default_factory=list)
     masked_tokens: dict[str, int] = field(default_factory=dict)  # masked tokens of each kind
 
@@ -161,6 +161,9 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     """One record as a sample; errors are DFlashCacheError without the record's place."""
     if isinstance(record, Conversation):
         encoded = encode_conversation(tokenizer, record.messages, record.tools, options.template_kwargs)
+        if encoded.dropped:
+            raise DFlashCacheError(f"the chat template leaves out what the data has ({'; '.join(encoded.dropped)}): "
+                                   "remove it from the record, or skip such records with --on-bad-record skip")
         if encoded.unfaithful and options.strict_template:
             raise DFlashCacheError(f"the chat template does not render this conversation faithfully: {'; '.join(encoded.unfaithful)}")
         ids, kinds, unfaithful = np.array(encoded.input_ids, dtype=np.int32), encoded.kinds, encoded.unfaithful

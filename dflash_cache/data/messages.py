@@ -14,8 +14,8 @@ and the same optional fields):
   under both names templates read (`reasoning_content`: Qwen, DeepSeek; `thinking`: gpt-oss).
 - `tool_calls` (assistant): OpenAI form `{"id", "type", "function": {"name", "arguments"}}` or flat
   `{"name", "arguments"}`; arguments an object or a JSON string of one. Normalised to the OpenAI form,
-  arguments as ToolArguments: an object to templates that serialise it (`tojson`, `|items`), its JSON
-  text to templates that concatenate it as a string (DeepSeek), the given text where there was one.
+  arguments as ToolArguments: the object with its JSON text (the given text where there was one);
+  tokenize.py hands each template the form it renders.
 - `tool_call_id`, `name` (tool): passed on.
 A record may also carry `tools` (a list of tool definitions, or a JSON string of one) and, ShareGPT
 only, `system` (a system prompt put first).
@@ -45,7 +45,7 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 class ToolArguments(dict):
-    """A tool call's arguments: a mapping, whose text (`str()`, or `+` with a string) is its JSON."""
+    """A tool call's arguments: a mapping, whose text (`str()`) is its JSON."""
 
     def __init__(self, value: dict, text: str | None = None):
         super().__init__(value)
@@ -53,12 +53,6 @@ class ToolArguments(dict):
 
     def __str__(self) -> str:
         return self.text
-
-    def __add__(self, other):
-        return self.text + other if isinstance(other, str) else NotImplemented
-
-    def __radd__(self, other):
-        return other + self.text if isinstance(other, str) else NotImplemented
 
     def __reduce__(self):  # pickled to tokenizer processes with its text
         return ToolArguments, (dict(self), self.text)

@@ -16,7 +16,8 @@ number of renders whatever the number of turns:
    splits into the template's own text and the stand-ins; walking the full rendering along those
    pieces gives where each field's text lies in it (the field as given, or trimmed: templates `trim`).
    A stand-in missing from the probe is a field the template does not render (Qwen3 drops the
-   reasoning of earlier turns, DeepSeek-R1-Distill of every turn): reported as unfaithful.
+   reasoning of earlier turns, DeepSeek-R1-Distill of every turn): reported as dropped, which makes
+   the record a bad one (dataset.py), never a sample that quietly differs from the data.
 2. a turn starts after the last copy of the generation prompt that starts before its first field;
    where there is none, after the longest part of the prompt that ends a line or a special token
    (past turns rendered without the think block the prompt opens); with no generation prompt at all
@@ -28,6 +29,9 @@ number of renders whatever the number of turns:
 4. the prompts of the first and last assistant turns are rendered to check they are prefixes of the
    full rendering; where one is not, the training text differs from what the model sees when it
    generates that turn (Mistral v3 moves the system prompt into the last user turn): reported.
+Tool-call arguments reach each template in the form it renders as JSON: a mapping to templates that
+serialise it (`tojson`, `|items`), the JSON text to templates that concatenate it as a string
+(DeepSeek); found once per template by rendering a call both ways (_arguments_as_text).
 Character spans become token spans by the tokenizer's offsets: a token is masked when any of its
 characters is in a span (a leading space merged into the first content token is generated too).
 """
@@ -55,7 +59,8 @@ class Encoded:
     input_ids: list[int]
     loss_mask: list[int]
     kinds: np.ndarray  # [T] uint8: 0 unmasked, 1 + index into KINDS
-    unfaithful: list[str] = field(default_factory=list)  # why the rendering differs from the data, if it does
+    unfaithful: list[str] = field(default_factory=list)  # how the rendering's turns differ from generation's
+    dropped: list[str] = field(default_factory=list)  # the fields of the data the rendering leaves out
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class _Template:
 
 
 _templates: dict[tuple, _Template] = {}
+_argument_forms: dict[tuple, bool] = {}  # template key -> whether it takes arguments as JSON text
 
 
 def tokenize_conversation(
@@ -105,23 +111,31 @@ def encode_conversation(
         messages = [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
         full = render(messages)
     unfaithful: list[str] = []
+    dropped: list[str] = []
     fields, probe_messages = _probe(messages, split_inline=True)
     try:
-        spans = _align(full, render(probe_messages), fields, unfaithful)
+        spans = _align(full, render(probe_messages), fields, dropped)
     except DFlashCacheError:
         if not any(f.inline for f in fields):
             raise
         # A template that branches on the reasoning field (gpt-oss) renders inline reasoning as text.
-        unfaithful.clear()
+        dropped.clear()
         fields, probe_messages = _probe(messages, split_inline=False)
-        spans = _align(full, render(probe_messages), fields, unfaithful)
+        spans = _align(full, render(probe_messages), fields, dropped)
     template = _template(tokenizer, kwargs)
     turns = []
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in assistant:
         mine = [(s, e, f) for s, e, f in spans if f.message == i]
-        if not mine:
-            unfaithful.append(f"assistant turn {i} is not rendered")
+        if not mine:  # every field left out (SmolLM3 renders a tool-call turn as its markup alone)
+            before = max((e for s, e, f in spans if f.message < i), default=0)
+            after = min((s for s, e, f in spans if f.message > i), default=len(full))
+            start = _turn_opening(full, before, after, template.turn_openers)
+            eot, end = (None, None) if start is None else _turn_end(full, start, after, template.end_of_turn)
+            if start is None or eot == end:
+                dropped.append(f"assistant turn {i} is not rendered")
+            else:
+                turns.append((start, eot, end, []))
             continue
         before = max((e for s, e, f in spans if f.message != i and e <= mine[0][0]), default=0)
         after = min((s for s, e, f in spans if f.message != i and s >= mine[-1][1]), default=len(full))
@@ -134,7 +148,7 @@ def encode_conversation(
         if i > 0 and not full.startswith(render(messages[:i], True)):
             unfaithful.append(f"the prompt of assistant turn {i} is not a prefix of the conversation")
     ids, kinds = _tokens(tokenizer, full, turns)
-    return Encoded(ids, (kinds > 0).astype(np.int64).tolist(), kinds, unfaithful)
+    return Encoded(ids, (kinds > 0).astype(np.int64).tolist(), kinds, unfaithful, dropped)
 
 
 def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
@@ -149,6 +163,53 @@ def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
 
 
 def _render(tokenizer, messages: list[dict], tools, kwargs: dict, add_generation_prompt: bool = False) -> str:
+    as_text = _arguments_as_text(tokenizer, kwargs)
+    return _apply(tokenizer, _with_arguments(messages, as_text), tools, kwargs, add_generation_prompt)
+
+
+def _arguments_as_text(tokenizer, kwargs: dict) -> bool:
+    """Whether this template takes tool-call arguments as JSON text rather than a mapping: the mapping
+    fails to render (`+` with a string) or comes out as Python's repr instead of JSON."""
+    key = (tokenizer.chat_template, json.dumps(kwargs, sort_keys=True, default=str))
+    if key not in _argument_forms:
+        _argument_forms[key] = _detect_arguments_as_text(tokenizer, kwargs)
+    return _argument_forms[key]
+
+
+def _detect_arguments_as_text(tokenizer, kwargs: dict) -> bool:
+    arguments = {"key": "value"}
+    user = {"role": "user", "content": "q"}
+    for content in (None, ""):  # null beside tool calls (DeepSeek), or "" where a template refuses null (gpt-oss)
+        for as_text in (False, True):
+            call = {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": {
+                "name": "f", "arguments": json.dumps(arguments) if as_text else arguments}}]}
+            try:
+                rendered = _apply(tokenizer, [user, call], None, kwargs)
+            except DFlashCacheError:
+                continue
+            if as_text or repr(arguments) not in rendered:
+                return as_text
+    return False  # no form renders: the template has no tool calls, and the mapping is left as it is
+
+
+def _with_arguments(messages: list[dict], as_text: bool) -> list[dict]:
+    """`messages` with each tool call's arguments as JSON text or a plain mapping."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**call, "function": {**call["function"], "arguments": _arguments(
+                call["function"].get("arguments", {}), as_text)}} for call in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _arguments(value: object, as_text: bool) -> object:
+    if isinstance(value, ToolArguments):
+        return value.text if as_text else dict(value)
+    return value
+
+
+def _apply(tokenizer, messages: list[dict], tools, kwargs: dict, add_generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -202,14 +263,15 @@ def _inline_reasoning(message: dict) -> tuple[str, str] | None:
     return head.split("<think>", 1)[1].strip("\n"), answer
 
 
-def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -> list[tuple[int, int, _Field]]:
-    """(start, end, field) in `full` of every field the template renders, in text order."""
+def _align(full: str, probe: str, fields: list[_Field], dropped: list[str]) -> list[tuple[int, int, _Field]]:
+    """(start, end, field) in `full` of every field the template renders, in text order; those of the
+    data it does not render go to `dropped`."""
     placed = []  # (position in the probe, field, first copy of it)
     for f in fields:
         at = probe.find(f.mark)
         if at < 0:
             if f.kind in ("reasoning", "tool_call", "content") and not f.inline:
-                unfaithful.append(f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}")
+                dropped.append(f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}")
             continue
         first = True
         while at >= 0:  # a field may be rendered again later (gpt-oss names the tool in its result)
@@ -236,7 +298,7 @@ def _align(full: str, probe: str, fields: list[_Field], unfaithful: list[str]) -
     for f in fields:  # an inline think block the template neither splits off nor keeps in the content
         if f.inline and f.mark not in probe and not any(g.message == f.message and f.values[0] in full[s:e]
                                                          for s, e, g in spans):
-            unfaithful.append(f"the template does not render the reasoning of assistant turn {f.message}")
+            dropped.append(f"the template does not render the reasoning of assistant turn {f.message}")
     return spans
 
 
@@ -326,6 +388,16 @@ def _turn_start(full: str, before: int, first: int, openers: tuple[str, ...]) ->
         if at >= 0:
             return at + len(opener)
     return first
+
+
+def _turn_opening(full: str, before: int, after: int, openers: tuple[str, ...]) -> int | None:
+    """Where a turn with no rendered field starts: after the first generation prompt between the
+    fields around it."""
+    for opener in openers:
+        at = full.find(opener, before, after)
+        if at >= 0:
+            return at + len(opener)
+    return None
 
 
 def _turn_end(full: str, last: int, after: int, ends: tuple[str, ...]) -> tuple[int, int]:

@@ -11,6 +11,7 @@ until the last one is released).
 
 from __future__ import annotations
 
+import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -23,6 +24,19 @@ from dflash_cache.store.shard import ShardReader
 # Well under the usual 1024 descriptors (several ranks' pools, TensorBoard, sockets share a node's
 # limits per process, not per node) and vm.max_map_count (65,530).
 DEFAULT_MAX_OPEN_SHARDS = 128
+# Shards may take this share of the process's descriptor limit; the rest is for its other files, sockets and pipes.
+LIMIT_SHARE = 4
+
+
+def default_pool_size() -> tuple[int, str | None]:
+    """The pool size when none is given: DEFAULT_MAX_OPEN_SHARDS, or a quarter of the process's soft
+    RLIMIT_NOFILE where that is lower; with a note saying so then."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft // LIMIT_SHARE >= DEFAULT_MAX_OPEN_SHARDS:
+        return DEFAULT_MAX_OPEN_SHARDS, None
+    size = max(1, soft // LIMIT_SHARE)
+    return size, (f"at most {size} shard files open at once (not {DEFAULT_MAX_OPEN_SHARDS}): a quarter of this "
+                  f"process's limit of {soft} file descriptors; raise `ulimit -n` or set --max-open-shards")
 
 
 @dataclass
@@ -33,7 +47,10 @@ class _Entry:
 
 
 class ShardPool:
-    def __init__(self, size: int = DEFAULT_MAX_OPEN_SHARDS):
+    def __init__(self, size: int | None = None):
+        """`size`: the most readers open at once; None sizes it from the descriptor limit (default_pool_size)."""
+        if size is None:
+            size = default_pool_size()[0]
         if size < 1:
             raise DFlashCacheError(f"--max-open-shards must be at least 1 (got {size})")
         self.size = size

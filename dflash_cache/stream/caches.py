@@ -13,7 +13,7 @@ from pathlib import Path
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store import Cache, open_cache
 from dflash_cache.store.manifest import spec_differences
-from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS, ShardPool
+from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from and how
@@ -34,7 +34,7 @@ class CacheSet:
     """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
 
     def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS, verify_shards: bool = False):
+                 max_open_shards: int | None = None, verify_shards: bool = False):
         """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache);
         `max_open_shards`: the most shards open at once, over all the caches (store.pool); `verify_shards`:
         whether each shard's sha256 is verified on first read (store.cache)."""

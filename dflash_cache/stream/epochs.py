@@ -89,4 +89,4 @@ TRAIN, EVAL = 0, 1
 def batch_seed(seed: int, purpose: int, epoch: int, index: int) -> int:
     """A well-mixed seed for the random draws (anchors) of plan position `index` of `epoch`;
     `purpose` (TRAIN or EVAL) keeps the two plans' draws apart."""
-    return int(np.random.SeedSequence([seed, purpose, epoch, index]).generate_state(1, np.uint64)[0] >> 1)
+    return int(np.random.SeedSequence([seed, purpose, epoch, index]).generate_state(1, np.uint64)[0] >> np.uint64(1))

@@ -102,7 +102,7 @@ class FollowedCache(CacheSet):
     """One cache read from its journals: its committed shards, added as they are consumed. Keys
     number the samples in the order their shards were consumed (row order within a shard)."""
 
-    def __init__(self, path: str | Path, waiter: Waiter, max_open_shards: int):
+    def __init__(self, path: str | Path, waiter: Waiter, max_open_shards: int | None):
         if is_remote(path):
             raise DFlashCacheError(f"--follow reads a local cache (or one on a shared file system); {path} is a URL")
         self.root = local_path(path)

@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.store.remote import is_remote
 
 
@@ -56,7 +55,7 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a rank stuck this long in a collective is an error
     local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
     local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
-    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS  # shard files open at once on each rank (store.pool)
+    max_open_shards: int | None = None  # shard files open at once on each rank; None: store.pool's default_pool_size
     follow: bool = False  # the first epoch follows the cache while its extraction writes it (stream/follow.py)
     follow_timeout_s: float | None = None  # with follow: the longest wait for a new shard; None: no limit
 
@@ -65,7 +64,8 @@ class TrainConfig:
         positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
                     "anchors_per_batch": 1 if self.anchors_per_batch is None else self.anchors_per_batch,
                     "eval_every": self.eval_every, "log_every": self.log_every,
-                    "prefetch": self.prefetch, "workers": self.workers, "max_open_shards": self.max_open_shards}
+                    "prefetch": self.prefetch, "workers": self.workers,
+                    "max_open_shards": 1 if self.max_open_shards is None else self.max_open_shards}
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")

@@ -32,6 +32,7 @@ from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.lock import FolderLock
+from dflash_cache.store.pool import default_pool_size
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -141,6 +142,8 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
         checkpoint, lock = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
         for note in notes:
             echo(f"drafter config: {note}")
+        if cfg.max_open_shards is None and (pool_note := default_pool_size()[1]):
+            echo(pool_note)
         echo(describe_drafter(config))
         echo(f"{source.describe()}: {len(train_keys)} to train on, "
              f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
