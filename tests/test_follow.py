@@ -21,7 +21,7 @@ from tests.test_extract import cli, extract_args
 from tests.test_train_helpers import drafter_json, losses, metrics
 from tests.tiny import build_target, write_conversations
 
-SLOW = {"DFLASH_CACHE_DELAY_AT": "shard.committed:1.5"}  # an extraction committing a shard every 1.5 s or more
+SLOW = {"DFLASH_CACHE_DELAY_AT": "shard.committed:1.0"}  # an extraction committing a shard every second or more
 STEPS = 16
 
 
@@ -131,9 +131,11 @@ def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, u
 def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup, tmp_path):
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
-    first = cli(*extract_args(target, data, cache), env={**SLOW, "DFLASH_CACHE_KILL_AT": "shard.committed:2"})
-    training = cli(*train_args(cache, drafter, run))
+    training = cli(*train_args(cache, drafter, run))  # started first: the folder is not there yet
     out = Lines(training)
+    out.wait_for("waiting for the extraction to write the target head and journals")
+    assert not cache.exists()
+    first = cli(*extract_args(target, data, cache), env={**SLOW, "DFLASH_CACHE_KILL_AT": "shard.committed:2"})
     first.communicate(timeout=300)
     assert first.returncode == -signal.SIGKILL
     out.wait_for("no extraction is running on it (killed or failed?): rerun the same extract command")
@@ -155,9 +157,8 @@ def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup
 
 
 @pytest.mark.slow
-def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(setup, tmp_path):
-    _, one, single, _ = follow(setup, tmp_path / "one", grad_accum=2)
-    assert single.returncode == 0, single.err[-2000:]
+def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(setup, uninterrupted, tmp_path):
+    one = uninterrupted  # one process, grad_accum 2: the same global batch as two ranks of 1
     launcher = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m")
     cache, two, ranks, early = follow(setup, tmp_path / "two", launcher=launcher, grad_accum=1)
     assert ranks.returncode == 0, ranks.err[-3000:]

@@ -106,9 +106,6 @@ class FollowedCache(CacheSet):
         if is_remote(path):
             raise DFlashCacheError(f"--follow reads a local cache (or one on a shared file system); {path} is a URL")
         self.root = local_path(path)
-        if not self.root.is_dir():
-            raise DFlashCacheError(f"{self.root}: no such cache directory (start the extraction first, or wait for it "
-                                   "to make the folder)")
         state = waiter.wait("waiting for the extraction to write the target head and journals", self._started)
         self.pool = ShardPool(max_open_shards)
         manifest = {"spec": state.spec, "shards": [], "target_files": state.target_files}
@@ -118,7 +115,10 @@ class FollowedCache(CacheSet):
         self.lengths: list[int] = []
 
     def _started(self) -> JournalState | None:
-        """The journals once they hold the spec and the target files' hashes (the head is written); else None."""
+        """The journals once they hold the spec and the target files' hashes (the head is written); else None,
+        also while the folder is not there yet (an extraction started beside this run makes it)."""
+        if not self.root.is_dir():
+            return None
         state = read_journals(self.root)
         return state if state.spec is not None and state.target_files else None
 
