@@ -2,11 +2,11 @@
 
 CI's "oldest" leg installs with these, so the floors pyproject states are the versions that leg tests.
 """
+
 import re
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*)$")
 

@@ -56,20 +56,26 @@ def main() -> None:
     t, width = x.shape
     raw_mb = x.numel() * 2 / 1e6
     print(f"input: {source}, [{t}, {width}] bf16, {raw_mb:.1f} MB; one core (MB/s of raw bf16)")
-    print(f"{'codec':<10} {'bytes/value':>11} {'ratio':>6} {'encode MB/s':>12} {'decode MB/s':>12} {f'compress x{args.threads} MB/s':>18}")
+    print(
+        f"{'codec':<10} {'bytes/value':>11} {'ratio':>6} {'encode MB/s':>12} {'decode MB/s':>12} {f'compress x{args.threads} MB/s':>18}"
+    )
     for codec in CODECS:
         enc = encode(x, codec, layers)
         planes = enc.planes.numpy()
         data = compress(planes, codec)
         size = encoded_size(codec, t, width)
         t_enc = best_of(lambda: compress(encode(x, codec, layers).planes.numpy(), codec))
-        t_dec = best_of(lambda: decode(torch.from_numpy(decompress(data, codec, size).copy()), enc.scales, codec, t, width))
+        t_dec = best_of(
+            lambda: decode(torch.from_numpy(decompress(data, codec, size).copy()), enc.scales, codec, t, width)
+        )
         chunks = np.array_split(planes, args.threads)
         with ThreadPoolExecutor(args.threads) as pool:
             t_par = best_of(lambda: list(pool.map(lambda c: compress(c, codec), chunks)))
         extra = 0 if enc.scales is None else enc.scales.numel() * 4
         per_value = (len(data) + extra) / x.numel()
-        print(f"{codec:<10} {per_value:>11.3f} {per_value / 2:>6.3f} {raw_mb / t_enc:>12.0f} {raw_mb / t_dec:>12.0f} {raw_mb / t_par:>18.0f}")
+        print(
+            f"{codec:<10} {per_value:>11.3f} {per_value / 2:>6.3f} {raw_mb / t_enc:>12.0f} {raw_mb / t_dec:>12.0f} {raw_mb / t_par:>18.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -97,9 +97,20 @@ def extract_cache(cfg: TrainConfig, target: Target, root: Path, tokens: int) -> 
     samples = live.samples  # sample id -> Sample
     layout = BucketLayout(tokens, max(live.lengths))
     batches = layout.plan(list(samples), live.lengths)
-    job = RankJob(root=root, target_path=target.path, device=str(live.device), rank=0, spec={**live.spec, "codec": CODEC},
-                  layout=layout, batches=batches, samples=samples, done=set(), first_shard_index=0, compress_threads=8,
-                  write_target_files=True)
+    job = RankJob(
+        root=root,
+        target_path=target.path,
+        device=str(live.device),
+        rank=0,
+        spec={**live.spec, "codec": CODEC},
+        layout=layout,
+        batches=batches,
+        samples=samples,
+        done=set(),
+        first_shard_index=0,
+        compress_threads=8,
+        write_target_files=True,
+    )
     start = time.perf_counter()
     with torch.cuda.device(live.device) if live.device.type == "cuda" else nullcontext():  # the worker's streams
         summary = run_rank(job, target=target)
@@ -113,9 +124,13 @@ def main() -> None:
     parser.add_argument("--layers-cut", type=int, default=None, help="layers of the cut 27B shape (a multiple of 4)")
     parser.add_argument("--drafter", default="qwen3.6-27b", help="drafter preset or JSON file")
     parser.add_argument("--tokens", type=int, default=16384, help="token budget of a batch (per rank)")
-    parser.add_argument("--max-anchors", type=int, default=48,
-                        help="the trainer's --max-anchors (per sequence): 48 gives about 470 anchors per batch of 16384 "
-                             "tokens, near the 512 per step of benchmarks/drafter.py")
+    parser.add_argument(
+        "--max-anchors",
+        type=int,
+        default=48,
+        help="the trainer's --max-anchors (per sequence): 48 gives about 470 anchors per batch of 16384 "
+        "tokens, near the 512 per step of benchmarks/drafter.py",
+    )
     parser.add_argument("--warmup", type=int, default=4, help="steps of each run left out of the timing")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each run")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -132,15 +147,30 @@ def main() -> None:
     steps = args.warmup + args.steps
     data = work / "data.jsonl"
     num_samples, data_tokens = write_data(data, steps * args.tokens * 3 // 4, config.vocab_size, args.tokens, steps)
-    print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), random weights, "
-          f"on {target_device}; data: {num_samples} samples, {data_tokens} tokens; batches of <= {args.tokens} tokens, "
-          f"{args.warmup} + {args.steps} steps a run", flush=True)
-    common = {"drafter": args.drafter, "steps": steps, "token_budget": args.tokens, "max_anchors": args.max_anchors,
-              "eval_fraction": 0.0, "seed": 0,
-              "save_every": 0}
+    print(
+        f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), random weights, "
+        f"on {target_device}; data: {num_samples} samples, {data_tokens} tokens; batches of <= {args.tokens} tokens, "
+        f"{args.warmup} + {args.steps} steps a run",
+        flush=True,
+    )
+    common = {
+        "drafter": args.drafter,
+        "steps": steps,
+        "token_budget": args.tokens,
+        "max_anchors": args.max_anchors,
+        "eval_fraction": 0.0,
+        "seed": 0,
+        "save_every": 0,
+    }
 
-    coupled = TrainConfig(out=str(work / "coupled"), live_target=str(target.path), data=[str(data)], num_draft_layers=5,
-                          **({"gpus": [1], "target_gpus": [0]} if cuda else {"cpu_procs": 1}), **common)
+    coupled = TrainConfig(
+        out=str(work / "coupled"),
+        live_target=str(target.path),
+        data=[str(data)],
+        num_draft_layers=5,
+        **({"gpus": [1], "target_gpus": [0]} if cuda else {"cpu_procs": 1}),
+        **common,
+    )
     if cuda:
         for device in (target_device, drafter_device):
             torch.cuda.reset_peak_memory_stats(device)
@@ -150,8 +180,7 @@ def main() -> None:
     coupled_tok_s, _ = steady_tok_s(work / "coupled", args.warmup)
     coupled_peak = {"target": peak_gb(target_device), "drafter": peak_gb(drafter_device)}
     # Printed at once, so that a run stopped later still leaves this figure behind.
-    print(f"coupled: {coupled_tok_s:,.0f} tokens/s after the warm-up steps ({coupled_s:.0f} s with set-up)",
-          flush=True)
+    print(f"coupled: {coupled_tok_s:,.0f} tokens/s after the warm-up steps ({coupled_s:.0f} s with set-up)", flush=True)
     drafter = json.loads((work / "coupled" / RUN_FILE).read_text())["drafter"]
 
     extract_s, stored = extract_cache(coupled, target, work / "cache", args.tokens)
@@ -161,8 +190,12 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
 
-    cached = TrainConfig(out=str(work / "cached"), caches=[str(work / "cache")],
-                         **({"gpus": [0, 1]} if cuda else {"cpu_procs": 2}), **common)
+    cached = TrainConfig(
+        out=str(work / "cached"),
+        caches=[str(work / "cache")],
+        **({"gpus": [0, 1]} if cuda else {"cpu_procs": 2}),
+        **common,
+    )
     tick = time.perf_counter()
     train(cached, echo=print)
     cache_s = time.perf_counter() - tick
@@ -171,22 +204,45 @@ def main() -> None:
 
     ratio = cache_tok_s / coupled_tok_s
     result = {
-        "shape": args.shape, "target_layers": config.num_hidden_layers, "target_hidden": config.hidden_size,
-        "drafter": args.drafter, "drafter_hidden": drafter["hidden_size"], "drafter_layers": drafter["num_hidden_layers"],
-        "drafter_vocab": drafter["vocab_size"], "tokens_per_batch": args.tokens, "max_anchors": args.max_anchors,
-        "warmup_steps": args.warmup, "timed_steps": args.steps, "samples": num_samples, "data_tokens": data_tokens,
-        "device": args.device, "coupled_tok_s": coupled_tok_s, "cache_tok_s": cache_tok_s, "cache_ranks": 2,
-        "ratio": ratio, "extract_tok_s": data_tokens / extract_s, "bytes_per_token": stored / data_tokens,
-        "peak_gb": {"coupled_target": coupled_peak["target"], "coupled_drafter": coupled_peak["drafter"],
-                    "cache_rank0": cache_peak_gib * 2**30 / GB},
-        "wall_s": {"coupled_run": coupled_s, "extract": extract_s, "cache_run": cache_s,
-                   "total": time.perf_counter() - started},
+        "shape": args.shape,
+        "target_layers": config.num_hidden_layers,
+        "target_hidden": config.hidden_size,
+        "drafter": args.drafter,
+        "drafter_hidden": drafter["hidden_size"],
+        "drafter_layers": drafter["num_hidden_layers"],
+        "drafter_vocab": drafter["vocab_size"],
+        "tokens_per_batch": args.tokens,
+        "max_anchors": args.max_anchors,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "samples": num_samples,
+        "data_tokens": data_tokens,
+        "device": args.device,
+        "coupled_tok_s": coupled_tok_s,
+        "cache_tok_s": cache_tok_s,
+        "cache_ranks": 2,
+        "ratio": ratio,
+        "extract_tok_s": data_tokens / extract_s,
+        "bytes_per_token": stored / data_tokens,
+        "peak_gb": {
+            "coupled_target": coupled_peak["target"],
+            "coupled_drafter": coupled_peak["drafter"],
+            "cache_rank0": cache_peak_gib * 2**30 / GB,
+        },
+        "wall_s": {
+            "coupled_run": coupled_s,
+            "extract": extract_s,
+            "cache_run": cache_s,
+            "total": time.perf_counter() - started,
+        },
     }
     print(f"coupled (target {target_device} -> drafter {drafter_device}): {coupled_tok_s:,.0f} tokens/s")
     print(f"cache (2 drafter ranks):  {cache_tok_s:,.0f} tokens/s")
     print(f"ratio:                    {ratio:.2f}x (goal >= 2x: {'met' if ratio >= 2 else 'not met'})")
-    print(f"peak memory: coupled target {coupled_peak['target']:.1f} GB, drafter {coupled_peak['drafter']:.1f} GB; "
-          f"cache rank 0 {result['peak_gb']['cache_rank0']:.1f} GB; {result['wall_s']['total']:.0f} s in all")
+    print(
+        f"peak memory: coupled target {coupled_peak['target']:.1f} GB, drafter {coupled_peak['drafter']:.1f} GB; "
+        f"cache rank 0 {result['peak_gb']['cache_rank0']:.1f} GB; {result['wall_s']['total']:.0f} s in all"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)

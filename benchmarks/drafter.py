@@ -126,8 +126,9 @@ def random_drafter(config, device: str, tile: int = 128) -> tuple[DFlashDrafter,
     return model, build_optimizer(model, lr=1e-4, weight_decay=0.01)
 
 
-def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: FeatureBatch, anchors: torch.Tensor,
-               device: str) -> torch.Tensor:
+def train_step(
+    runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: FeatureBatch, anchors: torch.Tensor, device: str
+) -> torch.Tensor:
     """One step as `dflash-cache train` runs it: bf16 autocast, backward, clipping at 1.0, AdamW; the loss."""
     with torch.autocast(device, dtype=torch.bfloat16):
         out = runner(batch, anchors)
@@ -137,14 +138,20 @@ def train_step(runner: DrafterRunner, model: DFlashDrafter, optimizer, batch: Fe
     return out.loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
 
-def drafter_step(config, device: str, mode: str, tokens: int, anchor_budget: int, tile: int = 128,
-                 compile_mode: str | None = None) -> tuple[Callable[[int], torch.Tensor], DFlashDrafter,
-                                                           list[FeatureBatch], list[torch.Tensor]]:
+def drafter_step(
+    config, device: str, mode: str, tokens: int, anchor_budget: int, tile: int = 128, compile_mode: str | None = None
+) -> tuple[Callable[[int], torch.Tensor], DFlashDrafter, list[FeatureBatch], list[torch.Tensor]]:
     """(step k -> its loss, the drafter, peer_batches' two batches, their anchors): train_step on batch k % 2
     for a random drafter of `config` run in `mode` (plain, eager or compiled)."""
     model, optimizer = random_drafter(config, device, tile)
-    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=tokens, anchor_budget=anchor_budget,
-                           regions=False if mode == "plain" else None, compile_mode=compile_mode)
+    runner = DrafterRunner(
+        model,
+        compiled=mode == "compiled",
+        token_budget=tokens,
+        anchor_budget=anchor_budget,
+        regions=False if mode == "plain" else None,
+        compile_mode=compile_mode,
+    )
     batches = peer_batches(config, tokens, device)
     g = torch.Generator(device=device).manual_seed(0)
     anchors = [sample_anchors(batch, config.block_size, anchor_budget, g, max_total=anchor_budget) for batch in batches]
@@ -155,8 +162,13 @@ def drafter_step(config, device: str, mode: str, tokens: int, anchor_budget: int
     return step, model, batches, anchors
 
 
-def timed_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: str,
-                progress: Callable[[int, float], None] | None = None) -> tuple[float, list[float], list[torch.Tensor]]:
+def timed_steps(
+    step: Callable[[int], torch.Tensor],
+    warmup: int,
+    steps: int,
+    device: str,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[float, list[float], list[torch.Tensor]]:
     """(warm-up seconds, each timed step's seconds, every step's loss): `warmup` steps, then `steps` timed
     ones, each waited for; the GPU's peak memory counts from the first timed step."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -180,15 +192,16 @@ def timed_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, de
 
 
 def run_mode(mode: str, args, config, device: str) -> dict:
-    step, model, batches, anchors = drafter_step(config, device, mode, args.tokens, args.anchors, args.tile,
-                                                 args.compile_mode)
+    step, model, batches, anchors = drafter_step(
+        config, device, mode, args.tokens, args.anchors, args.tile, args.compile_mode
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def progress(k: int, seconds: float) -> None:
         print(f"  {mode} warm-up step {k + 1}/{args.warmup}: {seconds:.1f} s", flush=True)
 
     warmup_s, times, losses = timed_steps(step, args.warmup, args.steps, device, progress)
-    losses = losses[args.warmup:]
+    losses = losses[args.warmup :]
     if args.profile:
         profile_run(args.profile, f"drafter_{mode}", lambda: [step(k) for k in range(3)])
     mask_times = []
@@ -251,38 +264,62 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, plain, compiled")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak used for MFU (measured on an H200)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=790.0, help="bf16 dense peak used for MFU (measured on an H200)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile's mode for the compiled step (reduce-overhead: CUDA graphs; "
-                             "max-autotune-no-cudagraphs: Inductor's autotuning, flex-attention's included)")
-    parser.add_argument("--tile", type=int, default=128,
-                        help="BlockMask tile size (train uses 128; smaller tiles cover fewer masked-out pairs)")
-    parser.add_argument("--peer", default=None, help="a command running speculators 0.9.0's step, run first (T and MAX_ANCHORS are set to ours)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after each mode's timed steps, profile 3 more: a trace and a table sorted by GPU time here",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile's mode for the compiled step (reduce-overhead: CUDA graphs; "
+        "max-autotune-no-cudagraphs: Inductor's autotuning, flex-attention's included)",
+    )
+    parser.add_argument(
+        "--tile",
+        type=int,
+        default=128,
+        help="BlockMask tile size (train uses 128; smaller tiles cover fewer masked-out pairs)",
+    )
+    parser.add_argument(
+        "--peer",
+        default=None,
+        help="a command running speculators 0.9.0's step, run first (T and MAX_ANCHORS are set to ours)",
+    )
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     results = []
     peer = run_peer(args.peer, args.tokens, args.anchors) if args.peer else None
     if peer:
-        print(f"    peer: {peer['real_tokens_per_s']:>9,.0f} real tokens/s  MFU {peer.get('mfu', 0):.1%}  step {peer['step_ms']:.1f} ms  "
-              f"peak {peer.get('peak_mem_gb') or 0:.1f} GB  ({peer['real_tokens_per_step']:.0f} tokens, "
-              f"{peer.get('anchors_per_step', 0):.0f} anchors; loss {peer.get('loss_first', 0):.3f} -> {peer.get('loss_last', 0):.3f})",
-              flush=True)
+        print(
+            f"    peer: {peer['real_tokens_per_s']:>9,.0f} real tokens/s  MFU {peer.get('mfu', 0):.1%}  step {peer['step_ms']:.1f} ms  "
+            f"peak {peer.get('peak_mem_gb') or 0:.1f} GB  ({peer['real_tokens_per_step']:.0f} tokens, "
+            f"{peer.get('anchors_per_step', 0):.0f} anchors; loss {peer.get('loss_first', 0):.3f} -> {peer.get('loss_last', 0):.3f})",
+            flush=True,
+        )
     for mode in args.modes.split(","):
         result = run_mode(mode, args, config, args.device)
         results.append(result)
         if peer:
             result["vs_peer"] = result["tokens_per_s"] / peer["real_tokens_per_s"]
         ratio = f" = {result['vs_peer']:.3f}x speculators" if peer else ""
-        masks = ("masks in the graph" if mode == "compiled"
-                 else f"masks {result['mask_ms']:.2f} ms ({result['mask_share']:.1%} of the step)")
-        print(f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s{ratio}  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "
-              f"{masks}  peak {result['peak_mem_gb'] or 0:.1f} GB  "
-              f"({result['tokens_per_step']:.0f} tokens, {result['anchors_per_step']:.0f} anchors; loss {result['loss_first']:.3f} -> {result['loss_last']:.3f})",
-              flush=True)
+        masks = (
+            "masks in the graph"
+            if mode == "compiled"
+            else f"masks {result['mask_ms']:.2f} ms ({result['mask_share']:.1%} of the step)"
+        )
+        print(
+            f"{mode:>8}: {result['tokens_per_s']:>9,.0f} tokens/s{ratio}  MFU {result['mfu']:.1%}  step {result['step_ms']:.1f} ms  "
+            f"{masks}  peak {result['peak_mem_gb'] or 0:.1f} GB  "
+            f"({result['tokens_per_step']:.0f} tokens, {result['anchors_per_step']:.0f} anchors; loss {result['loss_first']:.3f} -> {result['loss_last']:.3f})",
+            flush=True,
+        )
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:

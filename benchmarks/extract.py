@@ -73,7 +73,9 @@ def plain_forward(model, samples: list[Sample], args, sync) -> dict:
     """HF's own forward as it was called before packing: sdpa, right-padded batches of the old plan
     (its first `args.plain` batches, each shape warmed up first)."""
     by_id = {s.sample_id: s for s in samples}
-    batches = plan_batches([s.sample_id for s in samples], [len(s.input_ids) for s in samples], args.batch_tokens, seed=None)[: args.plain]
+    batches = plan_batches(
+        [s.sample_id for s in samples], [len(s.input_ids) for s in samples], args.batch_tokens, seed=None
+    )[: args.plain]
     model.set_attn_implementation("sdpa")
     inputs = [padded_batch([by_id[i] for i in b], args.device)[0] for b in batches]
     with torch.inference_mode():
@@ -101,10 +103,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batching", choices=["packed", "padded"], default="packed")
-    parser.add_argument("--plain", type=int, default=0, help="also time HF's padded forward on this many batches of the pre-packing plan")
+    parser.add_argument(
+        "--plain",
+        type=int,
+        default=0,
+        help="also time HF's padded forward on this many batches of the pre-packing plan",
+    )
     parser.add_argument("--compress-threads", type=int, default=12)
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="after the timed runs, profile 3 batches of the bare fused forward and of extraction: traces and tables here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed runs, profile 3 batches of the bare fused forward and of extraction: traces and tables here",
+    )
     args = parser.parse_args()
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -113,7 +124,9 @@ def main() -> None:
     layout = PackedLayout(args.batch_tokens) if args.batching == "packed" else BucketLayout(args.batch_tokens, 8192)
     target = build_target(config, device, work / "target", attention=layout.attention)
     model = target.model
-    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()  # a lookup: no FLOPs
+    params = (
+        sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    )  # a lookup: no FLOPs
     layer_ids = resolve_layer_ids(config.num_hidden_layers, None, 5)
     samples = make_samples(args.tokens, config.vocab_size)
     by_id = {s.sample_id: s for s in samples}
@@ -121,9 +134,13 @@ def main() -> None:
     tokens = sum(len(s.input_ids) for s in samples)
     inputs = [layout.build([by_id[i] for i in b], device) for b in batches]
     positions = sum(fb.shape[0] * fb.shape[1] for fb in inputs)
-    print(f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, {params / 1e9:.2f}B parameters), random weights, bf16")
-    print(f"data: {len(samples)} samples, {tokens} tokens ({positions / tokens:.3f}x positions per token), {len(batches)} batches: "
-          f"{layout.describe()}; layers {layer_ids}; codec {args.codec}")
+    print(
+        f"target: {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, {params / 1e9:.2f}B parameters), random weights, bf16"
+    )
+    print(
+        f"data: {len(samples)} samples, {tokens} tokens ({positions / tokens:.3f}x positions per token), {len(batches)} batches: "
+        f"{layout.describe()}; layers {layer_ids}; codec {args.codec}"
+    )
 
     def bare(fused: bool = False, run_inputs=inputs) -> tuple[float, float]:
         """Seconds for all batches, and seconds until the last one was queued (a queue that runs
@@ -140,12 +157,36 @@ def main() -> None:
     def extract(run_batches: list[list[int]]) -> tuple[float, dict]:
         out = args.out or work / "cache"
         shutil.rmtree(out, ignore_errors=True)
-        spec = {"target": {"name": args.shape, "model_type": config.model_type, "config_hash": target.config_hash,
-                           "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
-                "layer_ids": layer_ids, "codec": args.codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
-                "max_length": 8192, "topk": 0}
-        job = RankJob(root=out, target_path=target.path, device=device, rank=0, spec=spec, layout=layout, batches=run_batches, samples=by_id,
-                      done=set(), first_shard_index=0, compress_threads=args.compress_threads)
+        spec = {
+            "target": {
+                "name": args.shape,
+                "model_type": config.model_type,
+                "config_hash": target.config_hash,
+                "num_layers": config.num_hidden_layers,
+                "hidden_size": config.hidden_size,
+                "vocab_size": config.vocab_size,
+            },
+            "layer_ids": layer_ids,
+            "codec": args.codec,
+            "hidden_dtype": "bfloat16",
+            "tokenizer_hash": "",
+            "data_hash": "",
+            "max_length": 8192,
+            "topk": 0,
+        }
+        job = RankJob(
+            root=out,
+            target_path=target.path,
+            device=device,
+            rank=0,
+            spec=spec,
+            layout=layout,
+            batches=run_batches,
+            samples=by_id,
+            done=set(),
+            first_shard_index=0,
+            compress_threads=args.compress_threads,
+        )
         handed_off = []  # parts the main loop handed to the host side
         gpu_done = [0.0]  # when the device had finished everything, copies to the host included
 
@@ -160,8 +201,12 @@ def main() -> None:
         start = time.perf_counter()
         summary = run_rank(job, report, target=target)
         wall = time.perf_counter() - start
-        return wall, {"bytes": summary.bytes, "wait_s": summary.wait_s, "host_tail_s": start + wall - gpu_done[0],
-                      "window_s": summary.compute_s}
+        return wall, {
+            "bytes": summary.bytes,
+            "wait_s": summary.wait_s,
+            "host_tail_s": start + wall - gpu_done[0],
+            "window_s": summary.compute_s,
+        }
 
     sync()
     start = time.perf_counter()
@@ -181,7 +226,9 @@ def main() -> None:
     t_bare, q_bare = bare()
     t_fused, _ = bare(fused=True)
     t_extract, info = extract(batches)  # after the bare runs: a GPU that slows as it heats counts against it
-    per_codec = codec_bytes_per_token(TargetRunner(target, layer_ids), [by_id[i] for i in batches[len(batches) // 2]], device)
+    per_codec = codec_bytes_per_token(
+        TargetRunner(target, layer_ids), [by_id[i] for i in batches[len(batches) // 2]], device
+    )
     if args.profile:
         profile_run(args.profile, "bare_fused", lambda: bare(fused=True, run_inputs=inputs[:3]))
         profile_run(args.profile, "extract", lambda: extract(batches[:3]))
@@ -190,35 +237,66 @@ def main() -> None:
     gemm = matmul_tflops(device, *gemm_shape) if on_gpu else float("nan")
     mfu = lambda seconds: tokens / seconds * 2 * params / 1e12 / peak  # noqa: E731
     result = {
-        "batching": layout.describe(), "params": params, "first_forward_s": first_forward_s, "matmul_tflops": peak,
-        "matmul_tflops_before": peak_before, "gemm_shape": gemm_shape, "gemm_tflops_before": gemm_before, "gemm_tflops": gemm,
-        "bare_mfu": mfu(t_bare), "bare_fused_mfu": mfu(t_fused), "extract_mfu": mfu(t_extract),
-        "bare_fused_tok_s": tokens / t_fused, "ratio_to_fused": t_fused / t_extract,
+        "batching": layout.describe(),
+        "params": params,
+        "first_forward_s": first_forward_s,
+        "matmul_tflops": peak,
+        "matmul_tflops_before": peak_before,
+        "gemm_shape": gemm_shape,
+        "gemm_tflops_before": gemm_before,
+        "gemm_tflops": gemm,
+        "bare_mfu": mfu(t_bare),
+        "bare_fused_mfu": mfu(t_fused),
+        "extract_mfu": mfu(t_extract),
+        "bare_fused_tok_s": tokens / t_fused,
+        "ratio_to_fused": t_fused / t_extract,
         # `extract_tok_s` counts run_rank's whole call, its warm-up forward of one row included; the
         # window is the CLI's: from the first batch to the last shard committed.
-        "extract_window_tok_s": tokens / info["window_s"], "window_ratio": t_bare / info["window_s"],
+        "extract_window_tok_s": tokens / info["window_s"],
+        "window_ratio": t_bare / info["window_s"],
         "window_ratio_to_fused": t_fused / info["window_s"],
         "plain_padded": plain,
-        "shape": args.shape, "layers": config.num_hidden_layers, "tokens": tokens, "batch_tokens": args.batch_tokens,
-        "codec": args.codec, "bare_tok_s": tokens / t_bare, "extract_tok_s": tokens / t_extract,
-        "ratio": t_bare / t_extract, "bare_queued_fraction": q_bare / t_bare, "compress_threads": args.compress_threads, "bytes_per_token": info["bytes"] / tokens, "wait_on_disk_s": info["wait_s"],
-        "host_tail_s": info["host_tail_s"], "ratio_without_tail": t_bare / (t_extract - info["host_tail_s"]), "codec_bytes_per_token": per_codec,
+        "shape": args.shape,
+        "layers": config.num_hidden_layers,
+        "tokens": tokens,
+        "batch_tokens": args.batch_tokens,
+        "codec": args.codec,
+        "bare_tok_s": tokens / t_bare,
+        "extract_tok_s": tokens / t_extract,
+        "ratio": t_bare / t_extract,
+        "bare_queued_fraction": q_bare / t_bare,
+        "compress_threads": args.compress_threads,
+        "bytes_per_token": info["bytes"] / tokens,
+        "wait_on_disk_s": info["wait_s"],
+        "host_tail_s": info["host_tail_s"],
+        "ratio_without_tail": t_bare / (t_extract - info["host_tail_s"]),
+        "codec_bytes_per_token": per_codec,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else 0.0,
     }
-    print(f"first forward: {first_forward_s:.1f} s; matmul 8192^3 {peak_before:.0f} TFLOP/s before the runs, {peak:.0f} after; "
-          f"{gemm_shape} {gemm_before:.0f} before, {gemm:.0f} after")
+    print(
+        f"first forward: {first_forward_s:.1f} s; matmul 8192^3 {peak_before:.0f} TFLOP/s before the runs, {peak:.0f} after; "
+        f"{gemm_shape} {gemm_before:.0f} before, {gemm:.0f} after"
+    )
     if plain:
-        print(f"HF padded forward (sdpa, pre-packing plan, {plain['batches']} batches, warm): {plain['tok_s']:,.0f} tokens/s, "
-              f"MFU {plain['tok_s'] * 2 * params / 1e12 / peak:.3f}")
+        print(
+            f"HF padded forward (sdpa, pre-packing plan, {plain['batches']} batches, warm): {plain['tok_s']:,.0f} tokens/s, "
+            f"MFU {plain['tok_s'] * 2 * params / 1e12 / peak:.3f}"
+        )
     print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s  MFU {result['bare_mfu']:.3f} (HF's modules)")
-    print(f"bare fused:    {result['bare_fused_tok_s']:,.0f} tokens/s  MFU {result['bare_fused_mfu']:.3f} (extract/fused.py)")
-    print(f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
-          f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk, "
-          f"{info['host_tail_s']:.1f} s from the GPU's last copy to the last shard committed; "
-          f"ratio without that tail {result['ratio_without_tail']:.3f}) MFU {result['extract_mfu']:.3f}; "
-          f"ratio to the bare fused forward {result['ratio_to_fused']:.3f} (the call, its warm-up forward included)")
-    print(f"  from the first batch to the last shard: {result['extract_window_tok_s']:,.0f} tokens/s, ratio {result['window_ratio']:.3f}, "
-          f"to the bare fused forward {result['window_ratio_to_fused']:.3f}")
+    print(
+        f"bare fused:    {result['bare_fused_tok_s']:,.0f} tokens/s  MFU {result['bare_fused_mfu']:.3f} (extract/fused.py)"
+    )
+    print(
+        f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "
+        f"({result['bytes_per_token']:,.0f} bytes/token stored, {info['wait_s']:.1f} s waiting on disk, "
+        f"{info['host_tail_s']:.1f} s from the GPU's last copy to the last shard committed; "
+        f"ratio without that tail {result['ratio_without_tail']:.3f}) MFU {result['extract_mfu']:.3f}; "
+        f"ratio to the bare fused forward {result['ratio_to_fused']:.3f} (the call, its warm-up forward included)"
+    )
+    print(
+        f"  from the first batch to the last shard: {result['extract_window_tok_s']:,.0f} tokens/s, ratio {result['window_ratio']:.3f}, "
+        f"to the bare fused forward {result['window_ratio_to_fused']:.3f}"
+    )
     print("bytes/token by codec (one batch): " + ", ".join(f"{c} {v:,.0f}" for c, v in per_codec.items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -79,11 +79,30 @@ def write_data(path: Path, tokens: int, vocab: int, seed: int = 0) -> list[np.nd
 
 
 def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> dict:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(kernels / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(kernels / "inductor"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(kernels / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(kernels / "inductor"),
+        "PYTHONUNBUFFERED": "1",
+    }
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", "extract", "--target", str(target),
-                           "--data", str(data), "--out", str(out)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_cache_cli.main",
+            "extract",
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - start
     log.write_text(proc.stdout + "\n" + proc.stderr)
     print(proc.stdout[-1500:], proc.stderr[-1500:], sep="\n")
@@ -91,11 +110,23 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
         raise SystemExit(f"extract failed ({proc.returncode})")
     match = RANK_LINE.search(proc.stdout)
     if match is None:
-        raise SystemExit(f"the CLI's rank line was not in its output ({log}): benchmarks/extract_cold.py RANK_LINE needs updating")
-    tokens, rate, compile_s = int(match.group(1).replace(",", "")), float(match.group(2).replace(",", "")), float(match.group(3))
+        raise SystemExit(
+            f"the CLI's rank line was not in its output ({log}): benchmarks/extract_cold.py RANK_LINE needs updating"
+        )
+    tokens, rate, compile_s = (
+        int(match.group(1).replace(",", "")),
+        float(match.group(2).replace(",", "")),
+        float(match.group(3)),
+    )
     ahead = AHEAD_LINE.search(proc.stderr)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": rate, "compile_s": compile_s, "end_to_end_tok_s": tokens / wall,
-            "compile_ahead_s": float(ahead.group(1)) if ahead else None}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_s": rate,
+        "compile_s": compile_s,
+        "end_to_end_tok_s": tokens / wall,
+        "compile_ahead_s": float(ahead.group(1)) if ahead else None,
+    }
 
 
 def bare_forward(target_dir: Path, rows: list[np.ndarray], device: str) -> tuple[dict[str, float], int]:
@@ -108,7 +139,11 @@ def bare_forward(target_dir: Path, rows: list[np.ndarray], device: str) -> tuple
     batches = [layout.build([samples[i] for i in b], device) for b in plan]
     rates = {}
     for name, fused in (("hf", False), ("fused", True)):
-        with torch.inference_mode(), packed_kernels(target.model), fused_kernels(target.model) if fused else nullcontext():
+        with (
+            torch.inference_mode(),
+            packed_kernels(target.model),
+            fused_kernels(target.model) if fused else nullcontext(),
+        ):
             target.model(input_ids=batches[0].input_ids, use_cache=False, **batches[0].forward_kwargs())  # warm-up
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -125,17 +160,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/extract-cold"))
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--logs", type=Path, default=None, help="folder for the two runs' full output (default: --work)")
+    parser.add_argument(
+        "--logs", type=Path, default=None, help="folder for the two runs' full output (default: --work)"
+    )
     args = parser.parse_args()
     device = "cuda"
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    target, data, cache, kernels = args.work / "target", args.work / "data.parquet", args.work / "cache", args.work / "kernels"
+    target, data, cache, kernels = (
+        args.work / "target",
+        args.work / "data.parquet",
+        args.work / "cache",
+        args.work / "kernels",
+    )
     started = time.perf_counter()
     params = save_target(target, args.layers_cut, device)
     rows = write_data(data, args.tokens, 248320)
-    print(f"target {args.layers_cut} layers, {params / 1e9:.2f}B parameters; data {len(rows)} samples, "
-          f"{sum(map(len, rows))} tokens ({time.perf_counter() - started:.0f} s to write both)", flush=True)
+    print(
+        f"target {args.layers_cut} layers, {params / 1e9:.2f}B parameters; data {len(rows)} samples, "
+        f"{sum(map(len, rows))} tokens ({time.perf_counter() - started:.0f} s to write both)",
+        flush=True,
+    )
     logs = args.logs or args.work
     logs.mkdir(parents=True, exist_ok=True)
     cold = run_cli(target, data, cache, kernels, logs / "extract_cold.log")
@@ -143,17 +188,32 @@ def main() -> None:
     warm = run_cli(target, data, cache, kernels, logs / "extract_warm.log")
     shutil.rmtree(cache)
     # The bare forward loads the kernels and autotuning results the runs left, instead of tuning again.
-    os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels / "triton"), str(kernels / "inductor")
+    os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
+        str(kernels / "triton"),
+        str(kernels / "inductor"),
+    )
     bares, num_rows = bare_forward(target, rows, device)
     bare = bares["hf"]
     peak = matmul_tflops(device)
     flops_per_token = 2 * params
     result = {
-        "layers": args.layers_cut, "params": params, "samples": len(rows), "tokens": sum(map(len, rows)), "rows": num_rows,
-        "cold": cold, "warm": warm, "bare_tok_s": bare, "cold_ratio": cold["tok_s"] / bare, "warm_ratio": warm["tok_s"] / bare,
-        "bare_fused_tok_s": bares["fused"], "warm_ratio_to_fused": warm["tok_s"] / bares["fused"],
-        "cold_end_to_end_ratio": cold["end_to_end_tok_s"] / bare, "warm_end_to_end_ratio": warm["end_to_end_tok_s"] / bare,
-        "matmul_tflops": peak, "bare_mfu": bare * flops_per_token / 1e12 / peak, "bare_fused_mfu": bares["fused"] * flops_per_token / 1e12 / peak,
+        "layers": args.layers_cut,
+        "params": params,
+        "samples": len(rows),
+        "tokens": sum(map(len, rows)),
+        "rows": num_rows,
+        "cold": cold,
+        "warm": warm,
+        "bare_tok_s": bare,
+        "cold_ratio": cold["tok_s"] / bare,
+        "warm_ratio": warm["tok_s"] / bare,
+        "bare_fused_tok_s": bares["fused"],
+        "warm_ratio_to_fused": warm["tok_s"] / bares["fused"],
+        "cold_end_to_end_ratio": cold["end_to_end_tok_s"] / bare,
+        "warm_end_to_end_ratio": warm["end_to_end_tok_s"] / bare,
+        "matmul_tflops": peak,
+        "bare_mfu": bare * flops_per_token / 1e12 / peak,
+        "bare_fused_mfu": bares["fused"] * flops_per_token / 1e12 / peak,
         "extract_mfu_warm": warm["tok_s"] * flops_per_token / 1e12 / peak,
     }
     print(json.dumps(result, indent=2))

@@ -34,8 +34,10 @@ from dflash_cache.drafter.masks import BlockLayout, _ordered, block_mask, visibl
 def rule_mask_mod(layout: BlockLayout, window: int | None, group: int):
     """The mask function as the rule itself (masks.visible: three loads per key), which the drafter's
     BlockMasks ran before their interval form."""
+
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(layout, q_idx // group, kv_idx, window)
+
     return mask_mod
 
 
@@ -46,12 +48,14 @@ def all_tiles_full(mask):
 
     tiles = mask.to_dense()[0, 0].bool()
     count, indices = _ordered(tiles)
-    return BlockMask.from_kv_blocks(torch.zeros_like(count), indices, count, indices, BLOCK_SIZE=mask.BLOCK_SIZE,
-                                    seq_lengths=mask.seq_lengths)
+    return BlockMask.from_kv_blocks(
+        torch.zeros_like(count), indices, count, indices, BLOCK_SIZE=mask.BLOCK_SIZE, seq_lengths=mask.seq_lengths
+    )
 
 
-def time_config(q, k, v, mask, options: dict, compile_options: dict | None, iters: int, group: int
-                ) -> tuple[float, float, list[torch.Tensor]]:
+def time_config(
+    q, k, v, mask, options: dict, compile_options: dict | None, iters: int, group: int
+) -> tuple[float, float, list[torch.Tensor]]:
     """(mean forward ms, mean backward ms, [output, dq, dk, dv] of the first call). With `group` > 1 the
     query heads of each key head are packed into its rows (drafter/attention.py `attend`), and the
     times include the packing and unpacking copies."""
@@ -94,18 +98,25 @@ def main() -> None:
     parser.add_argument("--tiles", default="128,64")
     parser.add_argument("--options", nargs="*", default=["{}"], help="kernel_options dicts, as JSON")
     parser.add_argument("--autotune", action="store_true")
-    parser.add_argument("--groups", default="1,4",
-                        help="query rows per key head's query: 1 (each query head on its own) or the query heads a key "
-                             "head serves, packed (what the drafter runs)")
+    parser.add_argument(
+        "--groups",
+        default="1,4",
+        help="query rows per key head's query: 1 (each query head on its own) or the query heads a key "
+        "head serves, packed (what the drafter runs)",
+    )
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--mask-mods", default="intervals",
-                        help="intervals (the BlockMask's own mask function, what the drafter runs), rule (rule_mask_mod) "
-                             "and/or unmasked (all_tiles_full: the same tiles with no mask; wrong outputs, for timing)")
+    parser.add_argument(
+        "--mask-mods",
+        default="intervals",
+        help="intervals (the BlockMask's own mask function, what the drafter runs), rule (rule_mask_mod) "
+        "and/or unmasked (all_tiles_full: the same tiles with no mask; wrong outputs, for timing)",
+    )
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     batch = peer_batches(config, args.tokens, "cuda", count=1)[0]
-    anchors = sample_anchors(batch, config.block_size, args.anchors, torch.Generator("cuda").manual_seed(0),
-                             max_total=args.anchors)
+    anchors = sample_anchors(
+        batch, config.block_size, args.anchors, torch.Generator("cuda").manual_seed(0), max_total=args.anchors
+    )
     inputs = DraftInputs.build(batch, anchors)
     g = torch.Generator("cuda").manual_seed(0)
     nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -116,12 +127,15 @@ def main() -> None:
     for tile in (int(t) for t in args.tiles.split(",")):
         layout = BlockLayout.build(inputs.seq_ids, inputs.positions, inputs.anchors, config.block_size, tile)
         q = torch.randn(1, nq, layout.num_queries, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        k, v = (torch.randn(1, nkv, layout.num_keys, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-                for _ in range(2))
+        k, v = (
+            torch.randn(1, nkv, layout.num_keys, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2)
+        )
         for kind, window in (("sliding", config.sliding_window), ("full", None)):
             first = None
             for mod, group, (options, compile_options, name) in itertools.product(
-                    args.mask_mods.split(","), groups, variants):
+                args.mask_mods.split(","), groups, variants
+            ):
                 mask = block_mask(layout, window, tile, group)
                 if mod == "rule":
                     mask.mask_mod = rule_mask_mod(layout, window, group)
@@ -132,10 +146,15 @@ def main() -> None:
                     fwd, bwd, results = time_config(q, k, v, mask, options, compile_options, args.iters, group)
                     first = first or results
                     diff = "  max |diff| vs first: out/dq/dk/dv " + " ".join(
-                        f"{(a.float() - b.float()).abs().max().item():.2e}" for a, b in zip(results, first))
+                        f"{(a.float() - b.float()).abs().max().item():.2e}" for a, b in zip(results, first)
+                    )
                     print(f"tile {tile:>3} {kind:>7} {name:<40} fwd {fwd:6.2f} ms  bwd {bwd:6.2f} ms{diff}", flush=True)
                 except Exception as error:  # a configuration Inductor refuses: say so and go on
-                    print(f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                    print(
+                        f"tile {tile:>3} {kind:>7} {name:<40} failed: {type(error).__name__}: {str(error)[:300]}",
+                        flush=True,
+                    )
+
 
 if __name__ == "__main__":
     main()

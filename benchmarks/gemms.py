@@ -49,19 +49,34 @@ class Linear:
 
 def step_dims(config, anchors: int) -> tuple[int, ...]:
     """(hidden, intermediate, vocab, block queries, k/v width, layers, q/o width, LM-head rows)."""
-    return (config.hidden_size, config.intermediate_size, config.vocab_size, anchors * config.block_size,
-            config.num_key_value_heads * config.head_dim, config.num_hidden_layers,
-            config.num_attention_heads * config.head_dim, anchors * (config.block_size - 1))
+    return (
+        config.hidden_size,
+        config.intermediate_size,
+        config.vocab_size,
+        anchors * config.block_size,
+        config.num_key_value_heads * config.head_dim,
+        config.num_hidden_layers,
+        config.num_attention_heads * config.head_dim,
+        anchors * (config.block_size - 1),
+    )
 
 
 def step_linears(config, tokens: int, anchors: int) -> list[Linear]:
     h, i, v, q, kv, layers, qo, head_rows = step_dims(config, anchors)
     linears = [Linear("fc", tokens, len(config.target_layer_ids) * config.target_hidden_size, h, input_grad=False)]
     for name, rows, inputs, outputs in [("q_proj", q, h, qo), ("k_proj block", q, h, kv), ("v_proj block", q, h, kv)]:
-        linears += [Linear(name, rows, inputs, outputs, layers - 1), Linear(name + " (layer 0)", rows, inputs, outputs, 1, False)]
-    linears += [Linear("k_proj context", tokens, h, kv, layers), Linear("v_proj context", tokens, h, kv, layers),
-                Linear("o_proj", q, qo, h, layers), Linear("gate_proj", q, h, i, layers), Linear("up_proj", q, h, i, layers),
-                Linear("down_proj", q, i, h, layers)]
+        linears += [
+            Linear(name, rows, inputs, outputs, layers - 1),
+            Linear(name + " (layer 0)", rows, inputs, outputs, 1, False),
+        ]
+    linears += [
+        Linear("k_proj context", tokens, h, kv, layers),
+        Linear("v_proj context", tokens, h, kv, layers),
+        Linear("o_proj", q, qo, h, layers),
+        Linear("gate_proj", q, h, i, layers),
+        Linear("up_proj", q, h, i, layers),
+        Linear("down_proj", q, i, h, layers),
+    ]
     for rows in chunk_sizes(head_rows, max(1, LOGITS_PER_CHUNK // v)):
         linears.append(Linear(f"lm_head chunk {rows}", rows, h, v, weight_grad=False))
     return linears
@@ -77,16 +92,24 @@ def alternatives(config, tokens: int, anchors: int) -> dict[str, tuple[list[Line
     return {
         "q, k, v of the block as one matmul": (
             picks("q_proj", "k_proj block", "v_proj block"),
-            [Linear("qkv block", q, h, qo + 2 * kv, layers - 1), Linear("qkv block (layer 0)", q, h, qo + 2 * kv, 1, False)]),
+            [
+                Linear("qkv block", q, h, qo + 2 * kv, layers - 1),
+                Linear("qkv block (layer 0)", q, h, qo + 2 * kv, 1, False),
+            ],
+        ),
         "k, v of context and block as one matmul each": (
             picks("k_proj block", "v_proj block", "k_proj context", "v_proj context"),
-            [Linear("k_proj all", tokens + q, h, kv, layers), Linear("v_proj all", tokens + q, h, kv, layers)]),
+            [Linear("k_proj all", tokens + q, h, kv, layers), Linear("v_proj all", tokens + q, h, kv, layers)],
+        ),
         "k and v of context and block as one matmul": (
             picks("k_proj block", "v_proj block", "k_proj context", "v_proj context"),
-            [Linear("kv all", tokens + q, h, 2 * kv, layers)]),
+            [Linear("kv all", tokens + q, h, 2 * kv, layers)],
+        ),
         "gate and up as one matmul": (picks("gate_proj", "up_proj"), [Linear("gate_up", q, h, 2 * i, layers)]),
         "LM head in chunks of 2048 rows": (
-            heads, [Linear(f"lm_head chunk {r}", r, h, v, weight_grad=False) for r in chunk_sizes(head_rows, 2048)]),
+            heads,
+            [Linear(f"lm_head chunk {r}", r, h, v, weight_grad=False) for r in chunk_sizes(head_rows, 2048)],
+        ),
         "LM head in one chunk": (heads, [Linear("lm_head", head_rows, h, v, weight_grad=False)]),
     }
 
@@ -109,8 +132,11 @@ def total_ms(linears: list[Linear], iters: int, cache: dict, peak: float, show: 
             total += ms * count
             if show:
                 tflops = 2 * m * k * n / ms / 1e9
-                print(f"{linear.name:>22} {kind:>11}  [{m:>6} x {k:>6}] @ [{k:>6} x {n:>6}]  x{count}  "
-                      f"{ms:7.3f} ms  {tflops:5.0f} TFLOP/s  {tflops / peak:6.1%}", flush=True)
+                print(
+                    f"{linear.name:>22} {kind:>11}  [{m:>6} x {k:>6}] @ [{k:>6} x {n:>6}]  x{count}  "
+                    f"{ms:7.3f} ms  {tflops:5.0f} TFLOP/s  {tflops / peak:6.1%}",
+                    flush=True,
+                )
     return total
 
 
@@ -125,10 +151,16 @@ def main() -> None:
     linears = step_linears(config, args.tokens, args.anchors)
     total = total_ms(linears, args.iters, cache, args.peak_tflops, show=True)
     flops = sum(2 * m * k * n * count for linear in linears for _, m, k, n, count in linear.passes())
-    print(f"step's matmuls, each alone: {total:.1f} ms for {flops / 1e12:.1f} TFLOP = {flops / total / 1e9:.0f} TFLOP/s "
-          f"({flops / total / 1e9 / args.peak_tflops:.1%} of {args.peak_tflops:.0f})", flush=True)
+    print(
+        f"step's matmuls, each alone: {total:.1f} ms for {flops / 1e12:.1f} TFLOP = {flops / total / 1e9:.0f} TFLOP/s "
+        f"({flops / total / 1e9 / args.peak_tflops:.1%} of {args.peak_tflops:.0f})",
+        flush=True,
+    )
     for name, (old, new) in alternatives(config, args.tokens, args.anchors).items():
-        before, after = total_ms(old, args.iters, cache, args.peak_tflops), total_ms(new, args.iters, cache, args.peak_tflops)
+        before, after = (
+            total_ms(old, args.iters, cache, args.peak_tflops),
+            total_ms(new, args.iters, cache, args.peak_tflops),
+        )
         print(f"{name}: {before:.2f} -> {after:.2f} ms a step ({before - after:+.2f} saved)", flush=True)
 
 

@@ -42,9 +42,11 @@ def main() -> None:
             results[name] = fn()
         print(f"{name:>17}: {ms:7.3f} ms per chunk of {args.rows} rows x {v} vocabulary", flush=True)
     (loss_a, pred_a, grad_a), (loss_b, pred_b, grad_b) = results.values()
-    print(f"differences: per-row loss max |diff| {(loss_a - loss_b).abs().max().item():.2e} (of a mean of "
-          f"{loss_b.mean().item():.3f}); argmax differs on "
-          f"{(pred_a != pred_b).sum().item()} rows; gradient max |diff| {(grad_a - grad_b).abs().max().item():.2e}")
+    print(
+        f"differences: per-row loss max |diff| {(loss_a - loss_b).abs().max().item():.2e} (of a mean of "
+        f"{loss_b.mean().item():.3f}); argmax differs on "
+        f"{(pred_a != pred_b).sum().item()} rows; gradient max |diff| {(grad_a - grad_b).abs().max().item():.2e}"
+    )
 
 
 if __name__ == "__main__":

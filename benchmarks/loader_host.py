@@ -82,7 +82,9 @@ def main_thread_beside(work: Callable[[int], int] | None, threads: int, seconds:
     stop.set()
     for t in pool:
         t.join()
-    return MainThread(rate, max(0.0, 1 - (scheduled_after - scheduled) / wall), sleeps_after - sleeps, sum(calls), sum(tokens))
+    return MainThread(
+        rate, max(0.0, 1 - (scheduled_after - scheduled) / wall), sleeps_after - sleeps, sum(calls), sum(tokens)
+    )
 
 
 def measure(caches: CacheSet, workers: int, seconds: float) -> dict:
@@ -94,9 +96,18 @@ def measure(caches: CacheSet, workers: int, seconds: float) -> dict:
         for i in range(rows):
             fill_row(caches, batch, i)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-    result = {"rows": rows, "tokens": sum(caches.lengths), "planes_mb": mb, "mb_s_wall": mb / wall, "mb_s_cpu": mb / cpu}
-    print(f"cache: {rows} rows, {result['tokens']} tokens, {caches.width * 2} raw bytes per token; one thread: "
-          f"{mb / wall:,.0f} MB/s of planes (wall), {mb / cpu:,.0f} MB/s per CPU second", flush=True)
+    result = {
+        "rows": rows,
+        "tokens": sum(caches.lengths),
+        "planes_mb": mb,
+        "mb_s_wall": mb / wall,
+        "mb_s_cpu": mb / cpu,
+    }
+    print(
+        f"cache: {rows} rows, {result['tokens']} tokens, {caches.width * 2} raw bytes per token; one thread: "
+        f"{mb / wall:,.0f} MB/s of planes (wall), {mb / cpu:,.0f} MB/s per CPU second",
+        flush=True,
+    )
 
     def read_row(i: int) -> int:
         fill_row(caches, batch, i % rows)
@@ -116,15 +127,24 @@ def measure(caches: CacheSet, workers: int, seconds: float) -> dict:
         return statistics.median(f(r) for r in runs[name])
 
     for name in cases:
-        result[name] = {"ops_s": median(name, lambda r: r.ops_s), "asleep": median(name, lambda r: r.asleep),
-                        "sleeps_per_call": median(name, lambda r: r.sleeps / max(r.calls, 1)), "runs": [asdict(r) for r in runs[name]]}
-    result["readers"]["asleep_ms_per_1k_tokens"] = median("readers", lambda r: r.asleep * seconds * 1e6 / max(r.tokens, 1))
+        result[name] = {
+            "ops_s": median(name, lambda r: r.ops_s),
+            "asleep": median(name, lambda r: r.asleep),
+            "sleeps_per_call": median(name, lambda r: r.sleeps / max(r.calls, 1)),
+            "runs": [asdict(r) for r in runs[name]],
+        }
+    result["readers"]["asleep_ms_per_1k_tokens"] = median(
+        "readers", lambda r: r.asleep * seconds * 1e6 / max(r.tokens, 1)
+    )
     alone, readers, free = result["alone"], result["readers"], result["gil_free"]
-    print(f"main thread alone: {alone['ops_s']:,.0f} ops/s\n"
-          f"beside {workers} reader thread(s): {readers['ops_s'] / alone['ops_s']:.2f} of that; {readers['sleeps_per_call']:.1f} GIL waits "
-          f"per row read; asleep {readers['asleep']:.1%} of the time, {readers['asleep_ms_per_1k_tokens']:.2f} ms per 1000 tokens read\n"
-          f"beside {workers} GIL-free thread(s): {free['ops_s'] / alone['ops_s']:.2f}; {free['sleeps_per_call']:.1f} GIL waits per call; "
-          f"asleep {free['asleep']:.1%}", flush=True)
+    print(
+        f"main thread alone: {alone['ops_s']:,.0f} ops/s\n"
+        f"beside {workers} reader thread(s): {readers['ops_s'] / alone['ops_s']:.2f} of that; {readers['sleeps_per_call']:.1f} GIL waits "
+        f"per row read; asleep {readers['asleep']:.1%} of the time, {readers['asleep_ms_per_1k_tokens']:.2f} ms per 1000 tokens read\n"
+        f"beside {workers} GIL-free thread(s): {free['ops_s'] / alone['ops_s']:.2f}; {free['sleeps_per_call']:.1f} GIL waits per call; "
+        f"asleep {free['asleep']:.1%}",
+        flush=True,
+    )
     return result
 
 

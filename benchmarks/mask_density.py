@@ -29,8 +29,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_shape_arguments(parser)
     parser.add_argument("--tiles", default="128,64")
-    parser.add_argument("--groups", default=None, help="comma-separated rows per query (default: 1 and the preset's "
-                                                          "query heads per key head)")
+    parser.add_argument(
+        "--groups",
+        default=None,
+        help="comma-separated rows per query (default: 1 and the preset's query heads per key head)",
+    )
     args = parser.parse_args()
     config = load_drafter_config(args.preset)
     batches = peer_batches(config, args.tokens, "cpu")
@@ -39,8 +42,10 @@ def main() -> None:
     windows = {"full_attention": None, "sliding_attention": config.sliding_window}
     heads = config.num_attention_heads
     groups = args.groups or f"1,{heads // config.num_key_value_heads}"
-    print(f"{'batch':>5} {'layers':>17} {'tile':>4} {'group':>5} {'partial':>8} {'full':>6} {'computed pairs':>15} "
-          f"{'useful pairs':>13} {'useful share':>12}")
+    print(
+        f"{'batch':>5} {'layers':>17} {'tile':>4} {'group':>5} {'partial':>8} {'full':>6} {'computed pairs':>15} "
+        f"{'useful pairs':>13} {'useful share':>12}"
+    )
     for tile, group in itertools.product(map(int, args.tiles.split(",")), map(int, groups.split(","))):
         for k, (batch, a) in enumerate(zip(batches, anchors)):
             inputs = DraftInputs.build(batch, a)
@@ -51,8 +56,11 @@ def main() -> None:
                 partial, full = int(mask.kv_num_blocks.sum()) * masks, int(mask.full_kv_num_blocks.sum()) * masks
                 computed = (partial + full) * tile * tile
                 useful = int(dense_mask(layout, windows[kind]).sum()) * heads
-                print(f"{k:>5} {kind:>17} {tile:>4} {group:>5} {partial:>8,} {full:>6,} {computed:>15,} {useful:>13,} "
-                      f"{useful / computed:>12.3f}", flush=True)
+                print(
+                    f"{k:>5} {kind:>17} {tile:>4} {group:>5} {partial:>8,} {full:>6,} {computed:>15,} {useful:>13,} "
+                    f"{useful / computed:>12.3f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

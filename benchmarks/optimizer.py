@@ -41,7 +41,9 @@ def main() -> None:
         "fused AdamW (torch)": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
         "foreach AdamW, compiled": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
         "CompiledAdamW, fp32": CompiledAdamW(params, lr=1e-4, weight_decay=0.01),
-        "CompiledAdamW, bf16 matrices (train's)": CompiledAdamW(working, lr=1e-4, weight_decay=0.01, bf16_matrices=True),
+        "CompiledAdamW, bf16 matrices (train's)": CompiledAdamW(
+            working, lr=1e-4, weight_decay=0.01, bf16_matrices=True
+        ),
     }
     for p in params + working:  # after bf16_matrices made the working matrices bf16
         p.grad = torch.randn_like(p) * 1e-3
@@ -52,7 +54,9 @@ def main() -> None:
         elif optimizer.defaults["foreach"]:
             step = torch.compile(step)
         ms = cuda_mean_ms(step, args.iters)
-        print(f"{name:>38}: {ms:7.2f} ms  {28 * count / ms / 1e9:5.2f} TB/s  ({count / 1e9:.2f} B parameters)", flush=True)
+        print(
+            f"{name:>38}: {ms:7.2f} ms  {28 * count / ms / 1e9:5.2f} TB/s  ({count / 1e9:.2f} B parameters)", flush=True
+        )
     source = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
     target = torch.empty_like(source)
     ms = cuda_mean_ms(lambda: target.copy_(source), args.iters)

@@ -41,7 +41,9 @@ def to_peer(cache_dir: Path, out: Path) -> None:
         sample = cache[i]
         length = sample.input_ids.shape[0]
         hidden = sample.hidden.reshape(length, layers, -1).contiguous()
-        save_file({"hidden_states": hidden, "token_ids": sample.input_ids.to(torch.int64)}, states / f"hs_{i}.safetensors")
+        save_file(
+            {"hidden_states": hidden, "token_ids": sample.input_ids.to(torch.int64)}, states / f"hs_{i}.safetensors"
+        )
         columns["input_ids"].append(sample.input_ids.tolist())
         columns["loss_mask"].append(sample.loss_mask.to(torch.int64).tolist())
         columns["seq_len"].append(length)
@@ -58,18 +60,25 @@ def to_export(checkpoint: Path, like: Path, out: Path) -> None:
     kept = {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items() if not k.startswith(PEER_ONLY)}
     ours = set(load_file(str(like / "model.safetensors")))
     if set(kept) != ours:
-        raise SystemExit(f"weights differ from the reference layout: only in speculators' {sorted(set(kept) - ours)[:6]}, "
-                         f"only in ours {sorted(ours - set(kept))[:6]}")
+        raise SystemExit(
+            f"weights differ from the reference layout: only in speculators' {sorted(set(kept) - ours)[:6]}, "
+            f"only in ours {sorted(ours - set(kept))[:6]}"
+        )
     config["block_size"] = peer_config.get("block_size", config["block_size"])
-    config["dflash_config"]["target_layer_ids"] = peer_config.get("aux_hidden_state_layer_ids",
-                                                                  config["dflash_config"]["target_layer_ids"])
-    config["dflash_config"]["mask_token_id"] = peer_config.get("mask_token_id", config["dflash_config"]["mask_token_id"])
+    config["dflash_config"]["target_layer_ids"] = peer_config.get(
+        "aux_hidden_state_layer_ids", config["dflash_config"]["target_layer_ids"]
+    )
+    config["dflash_config"]["mask_token_id"] = peer_config.get(
+        "mask_token_id", config["dflash_config"]["mask_token_id"]
+    )
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
-    print(f"{len(kept)} tensors, block {config['block_size']}, layers {config['dflash_config']['target_layer_ids']} -> {out}")
+    print(
+        f"{len(kept)} tensors, block {config['block_size']}, layers {config['dflash_config']['target_layer_ids']} -> {out}"
+    )
 
 
 def main() -> None:

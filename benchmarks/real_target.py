@@ -37,8 +37,9 @@ def build_target(out: Path, gguf: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         kwargs = {"gguf_file": gguf.name}
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16,
-                                                     quantization_config=GgufConfig(dequantize=True), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True), **kwargs
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
         model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         model.generation_config.pad_token_id = tokenizer.pad_token_id

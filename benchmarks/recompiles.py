@@ -40,9 +40,20 @@ from dflash_cache.drafter.runner import DrafterRunner
 
 # Both layer types, GQA, a window that cuts context: every code path of the drafter, CPU-sized.
 TINY = DrafterConfig(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, vocab_size=512, rope_theta=10000.0, block_size=8, target_layer_ids=[0, 2], mask_token_id=511,
-    num_target_layers=4, layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    rope_theta=10000.0,
+    block_size=8,
+    target_layer_ids=[0, 2],
+    mask_token_id=511,
+    num_target_layers=4,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=64,
 )
 
 
@@ -71,8 +82,9 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
     device = args.device
     torch._dynamo.reset()
     model, optimizer = random_drafter(config, device)
-    runner = DrafterRunner(model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors,
-                           backend=args.backend)
+    runner = DrafterRunner(
+        model, compiled=mode == "compiled", token_budget=args.tokens, anchor_budget=args.anchors, backend=args.backend
+    )
     g = torch.Generator(device=device).manual_seed(0)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     started = CompileCounts.now()
@@ -95,9 +107,12 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
             compiling_steps.append(k)
         if args.progress and (k + 1) % args.progress == 0:
             so_far = CompileCounts.now() - started
-            print(f"  {mode} step {k + 1}/{len(plans)}: {statistics.median(times[-args.progress:]) * 1e3:.1f} ms/step, "
-                  f"loss {loss.item():.3f}, so far {so_far.frames} frames compiled, {so_far.left_to_eager} left to eager, "
-                  f"{len(compiling_steps)} steps compiled after the warm-up", flush=True)
+            print(
+                f"  {mode} step {k + 1}/{len(plans)}: {statistics.median(times[-args.progress :]) * 1e3:.1f} ms/step, "
+                f"loss {loss.item():.3f}, so far {so_far.frames} frames compiled, {so_far.left_to_eager} left to eager, "
+                f"{len(compiling_steps)} steps compiled after the warm-up",
+                flush=True,
+            )
     end = CompileCounts.now()
     warmup = warmup if warmup is not None else end - started
     after = end - started - warmup if len(plans) > args.warmup else CompileCounts()
@@ -112,7 +127,7 @@ def run_mode(mode: str, args, config: DrafterConfig, plans: list[list[int]]) -> 
         "after_warmup": after.to_dict(),
         "steps_that_compiled_after_warmup": compiling_steps,
         "step_ms_median": statistics.median(times) * 1e3,
-        "step_ms_median_after_warmup": statistics.median(times[args.warmup:] or times) * 1e3,
+        "step_ms_median_after_warmup": statistics.median(times[args.warmup :] or times) * 1e3,
         "wall_s": time.perf_counter() - wall,
         "loss_last": loss.item(),
     }
@@ -128,7 +143,9 @@ def main() -> None:
     parser.add_argument("--compiled-steps", type=int, default=None, help="steps of compiled mode (default --steps)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--modes", default="eager,compiled")
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor on CUDA, aot_eager on the CPU)")
+    parser.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor on CUDA, aot_eager on the CPU)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", type=int, default=50, help="print a line every N steps (0: none)")
     parser.add_argument("--json", type=Path)
@@ -140,8 +157,10 @@ def main() -> None:
     config = TINY if args.preset == "tiny" else load_drafter_config(args.preset)
     results = []
     columns = f"{'frames':>6} {'graphs':>6} {'guards':>6} {'eager':>5}"
-    print(f"{'mode':>9} {'steps':>6} {'shapes':>7} | warm-up: {columns} | after: {columns} {'steps':>5} | ms/step",
-          flush=True)
+    print(
+        f"{'mode':>9} {'steps':>6} {'shapes':>7} | warm-up: {columns} | after: {columns} {'steps':>5} | ms/step",
+        flush=True,
+    )
     for mode in args.modes.split(","):
         steps = args.compiled_steps if mode == "compiled" and args.compiled_steps is not None else args.steps
         plans = distinct_length_plans(steps, args.tokens, seed=args.seed)
@@ -149,16 +168,29 @@ def main() -> None:
         results.append(r)
         w, a = r["warmup"], r["after_warmup"]
         counts = lambda c: f"{c['frames']:>6} {c['graphs']:>6} {c['recompile_reasons']:>6} {c['left_to_eager']:>5}"  # noqa: E731
-        print(f"{mode:>9} {r['steps']:>6} {r['distinct_shapes']:>7} | warm-up: {counts(w)} | after: {counts(a)} "
-              f"{len(r['steps_that_compiled_after_warmup']):>5} | {r['step_ms_median_after_warmup']:.1f}", flush=True)
+        print(
+            f"{mode:>9} {r['steps']:>6} {r['distinct_shapes']:>7} | warm-up: {counts(w)} | after: {counts(a)} "
+            f"{len(r['steps_that_compiled_after_warmup']):>5} | {r['step_ms_median_after_warmup']:.1f}",
+            flush=True,
+        )
         for reason in a["first_reasons"]:
             print(f"           recompiled: {reason}")
         if cuda:
             torch.cuda.empty_cache()
         if args.json:  # after each mode, so that a run stopped in a later mode keeps the earlier ones
-            args.json.write_text(json.dumps({"preset": args.preset, "device": args.device, "tokens": args.tokens,
-                                             "anchors": args.anchors, "torch": torch.__version__, "results": results},
-                                            indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "preset": args.preset,
+                        "device": args.device,
+                        "tokens": args.tokens,
+                        "anchors": args.anchors,
+                        "torch": torch.__version__,
+                        "results": results,
+                    },
+                    indent=2,
+                )
+            )
 
 
 if __name__ == "__main__":

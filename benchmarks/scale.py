@@ -75,8 +75,13 @@ class AnonPeak:
 
 def child(args: list[str], env: dict | None = None) -> dict:
     """Run this script in a fresh process with `args`; its last stdout line is a JSON result."""
-    result = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    result = subprocess.run(
+        [sys.executable, __file__, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{args}: {result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -94,13 +99,24 @@ def tokenize_throughput(work: Path, records: int) -> dict:
     cores = os.cpu_count() or 1
     rows = {}
     for workers in sorted({1, 2, cores}):
-        load, busy = os.getloadavg()[0], busy_cpu_s()  # other work on the machine: the figures mean little when it is high
+        load, busy = (
+            os.getloadavg()[0],
+            busy_cpu_s(),
+        )  # other work on the machine: the figures mean little when it is high
         row = child(["--child-tokenize", str(data), str(work / f"tok-{workers}"), str(workers)])
         others = busy_cpu_s() - busy - row["cpu_s"]  # CPU time of every other process during the run (imports included)
-        rows[workers] = {**row, "load_before": load, "load_after": os.getloadavg()[0], "other_cores": max(0.0, others) / row["wall_s"]}
+        rows[workers] = {
+            **row,
+            "load_before": load,
+            "load_after": os.getloadavg()[0],
+            "other_cores": max(0.0, others) / row["wall_s"],
+        }
     one = rows[1]["tokens_per_s"]
-    return {"records": records, "cores": cores,
-            "runs": [{**r, "workers": w, "factor": r["tokens_per_s"] / one} for w, r in rows.items()]}
+    return {
+        "records": records,
+        "cores": cores,
+        "runs": [{**r, "workers": w, "factor": r["tokens_per_s"] / one} for w, r in rows.items()],
+    }
 
 
 def busy_cpu_s() -> float:
@@ -124,9 +140,17 @@ def run_child_tokenize(data: str, folder: str, workers: int) -> dict:
     cpu_s = main_cpu + cpu(resource.RUSAGE_CHILDREN)  # the pool's processes have been joined
     tokens = int(out.lengths.sum())
     total = cpu(resource.RUSAGE_SELF) + cpu(resource.RUSAGE_CHILDREN)  # imports included
-    return {"samples": len(out.lengths), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "cpu_s": total, "tokenize_cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s, "main_cpu_s": main_cpu,
-            "wall_s": time.perf_counter() - START}
+    return {
+        "samples": len(out.lengths),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "cpu_s": total,
+        "tokenize_cpu_s": cpu_s,
+        "tokens_per_cpu_s": tokens / cpu_s,
+        "main_cpu_s": main_cpu,
+        "wall_s": time.perf_counter() - START,
+    }
 
 
 # ---- 2. the front end of an extraction --------------------------------------------------------------
@@ -161,14 +185,29 @@ def run_child_extract(data: str, out: str, tokenized: str) -> dict:
         # then the first batch's tokens, to the device.
         largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
         first = sum(int(job.samples[sid].input_ids.sum() >= 0) for sid in job.batches[0]) if job.batches else 0
-        probe.update(seconds=time.perf_counter() - START, peak_rss_mb=peak_rss_mb(), anon_peak_mb=ANON.mark(), rank=job.rank,
-                     batches=len(job.batches), samples=len(job.samples), largest_batch=largest, first_batch=first,
-                     spec=job.spec)
+        probe.update(
+            seconds=time.perf_counter() - START,
+            peak_rss_mb=peak_rss_mb(),
+            anon_peak_mb=ANON.mark(),
+            rank=job.rank,
+            batches=len(job.batches),
+            samples=len(job.samples),
+            largest_batch=largest,
+            first_batch=first,
+            spec=job.spec,
+        )
         raise SystemExit(0)
 
     pipeline._run_jobs = first_forward
-    opts = pipeline.ExtractOptions(target=TARGET, data=[Path(data)], out=Path(out), layers=[1, 2],
-                                   token_budget=49152, max_length=8192, tokenized_dir=Path(tokenized))
+    opts = pipeline.ExtractOptions(
+        target=TARGET,
+        data=[Path(data)],
+        out=Path(out),
+        layers=[1, 2],
+        token_budget=49152,
+        max_length=8192,
+        tokenized_dir=Path(tokenized),
+    )
     try:
         pipeline.extract(opts)
     except SystemExit:
@@ -187,8 +226,16 @@ def write_half_journal(out: Path, spec: dict, samples: int, per_shard: int = 5) 
         f.write(json.dumps({"spec": spec}) + "\n")
         for index, start in enumerate(range(0, samples // 2, per_shard)):
             ids = list(range(start, min(start + per_shard, samples // 2)))
-            record = {"path": f"{SHARD_DIR}/{shard_name(0, index)}", "rows": len(ids), "tokens": len(ids),
-                      "bytes": 1, "hidden_bytes": 1, "sha256": "0" * 64, "sample_ids": ids, "num_tokens": [1] * len(ids)}
+            record = {
+                "path": f"{SHARD_DIR}/{shard_name(0, index)}",
+                "rows": len(ids),
+                "tokens": len(ids),
+                "bytes": 1,
+                "hidden_bytes": 1,
+                "sha256": "0" * 64,
+                "sample_ids": ids,
+                "num_tokens": [1] * len(ids),
+            }
             f.write(json.dumps({"shard": record}) + "\n")
 
 
@@ -201,11 +248,20 @@ def front_end(work: Path, samples: int, world: int) -> dict:
     data = folder / "data.arrow"
     started = time.perf_counter()
     tokens = synthetic_data(data, samples, vocab)
-    result = {"samples": samples, "tokens": tokens, "data_gb": data.stat().st_size / 1e9,
-              "write_data_s": time.perf_counter() - started}
+    result = {
+        "samples": samples,
+        "tokens": tokens,
+        "data_gb": data.stat().st_size / 1e9,
+        "write_data_s": time.perf_counter() - started,
+    }
     tokenized = folder / "tokenized"
-    ranks = lambda out: [child(["--child-extract", str(data), str(out), str(tokenized)],  # noqa: E731
-                               {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}) for r in range(world)]
+    ranks = lambda out: [
+        child(
+            ["--child-extract", str(data), str(out), str(tokenized)],  # noqa: E731
+            {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"},
+        )
+        for r in range(world)
+    ]
     result["fresh"] = ranks(folder / "fresh")
     result["single_process"] = child(["--child-extract", str(data), str(folder / "single"), str(tokenized)])
     spec = result["single_process"].pop("spec")
@@ -253,8 +309,17 @@ def run_child_train(cache: str, out: str, drafter: str) -> dict:
         return real_step(*args, **kwargs)
 
     train_module.train_step = step
-    cfg = TrainConfig(caches=[cache], out=out, drafter=drafter, cpu_procs=1, token_budget=4096, steps=1,
-                      max_anchors=8, eval_fraction=0.0, save_every=0)
+    cfg = TrainConfig(
+        caches=[cache],
+        out=out,
+        drafter=drafter,
+        cpu_procs=1,
+        token_budget=4096,
+        steps=1,
+        max_anchors=8,
+        eval_fraction=0.0,
+        save_every=0,
+    )
     train_module.train(cfg, echo=lambda line: None)
     return probe
 
@@ -265,17 +330,21 @@ def run_child_train(cache: str, out: str, drafter: str) -> dict:
 def figures(r: dict) -> str:
     """Time from the process start (of which after the imports); peak anonymous memory (of which
     over the imports) and peak RSS, mapped files included."""
-    return (f"{r['seconds']:.1f} s ({r['seconds'] - r['import_s']:.1f} s after imports), anon peak "
-            f"{r['anon_peak_mb']:,.0f} MB (+{r['anon_peak_mb'] - r['import_anon_mb']:,.0f} over imports), "
-            f"RSS peak {r['peak_rss_mb']:,.0f} MB")
+    return (
+        f"{r['seconds']:.1f} s ({r['seconds'] - r['import_s']:.1f} s after imports), anon peak "
+        f"{r['anon_peak_mb']:,.0f} MB (+{r['anon_peak_mb'] - r['import_anon_mb']:,.0f} over imports), "
+        f"RSS peak {r['peak_rss_mb']:,.0f} MB"
+    )
 
 
 def worst(rows: list[dict]) -> str:
     slowest = max(rows, key=lambda r: r["seconds"] - r["import_s"])
     biggest = max(rows, key=lambda r: r["anon_peak_mb"] - r["import_anon_mb"])
-    return (f"{slowest['seconds'] - slowest['import_s']:.1f} s after imports, anon "
-            f"+{biggest['anon_peak_mb'] - biggest['import_anon_mb']:,.0f} MB over imports, "
-            f"RSS peak {max(r['peak_rss_mb'] for r in rows):,.0f} MB")
+    return (
+        f"{slowest['seconds'] - slowest['import_s']:.1f} s after imports, anon "
+        f"+{biggest['anon_peak_mb'] - biggest['import_anon_mb']:,.0f} MB over imports, "
+        f"RSS peak {max(r['peak_rss_mb'] for r in rows):,.0f} MB"
+    )
 
 
 def report(results: dict) -> list[str]:
@@ -283,11 +352,13 @@ def report(results: dict) -> list[str]:
     t = results["tokenize"] or {"records": 0, "cores": os.cpu_count(), "runs": []}
     lines.append(f"tokenization, {t['records']} bundled conversations, {t['cores']} cores:")
     for r in t["runs"]:
-        lines.append(f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
-                     f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process; {r['tokens_per_cpu_s']:,.0f} tokens per "
-                     f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time; load average "
-                     f"{r['load_before']:.2f} before, {r['load_after']:.2f} after; other processes used "
-                     f"{r['other_cores']:.2f} cores meanwhile")
+        lines.append(
+            f"  {r['workers']} process(es): {r['tokens_per_s']:,.0f} tokens/s ({r['tokens']:,} tokens in "
+            f"{r['seconds']:.1f} s), x{r['factor']:.2f} one process; {r['tokens_per_cpu_s']:,.0f} tokens per "
+            f"CPU-second, main process busy {r['main_cpu_s'] / r['seconds']:.0%} of the time; load average "
+            f"{r['load_before']:.2f} before, {r['load_after']:.2f} after; other processes used "
+            f"{r['other_cores']:.2f} cores meanwhile"
+        )
     for f in results["front_end"]:
         lines.append(f"front end, {f['samples']:,} samples, {f['tokens']:,} tokens ({f['data_gb']:.1f} GB of data):")
         for name in ("fresh", "resumed"):
@@ -297,13 +368,20 @@ def report(results: dict) -> list[str]:
         lines.append(f"  single process, resumed: {figures(f['single_resumed'])}")
         over = lambda r: r["anon_peak_mb"] - r["import_anon_mb"]  # noqa: E731
         world = len(f["fresh"])
-        for name, rows, one in (("fresh", f["fresh"][1:], f["single_process"]), ("resumed", f["resumed"], f["single_resumed"])):
+        for name, rows, one in (
+            ("fresh", f["fresh"][1:], f["single_process"]),
+            ("resumed", f["resumed"], f["single_resumed"]),
+        ):
             rank, one = max(map(over, rows)), over(one)
-            lines.append(f"  {name}: anon over imports, worst rank{' but 0' if name == 'fresh' else ''} +{rank:,.0f} MB; one process "
-                         f"+{one:,.0f} MB, 1/{world} of it {one / world:,.0f} MB; the difference {rank - one / world:+,.0f} MB")
+            lines.append(
+                f"  {name}: anon over imports, worst rank{' but 0' if name == 'fresh' else ''} +{rank:,.0f} MB; one process "
+                f"+{one:,.0f} MB, 1/{world} of it {one / world:,.0f} MB; the difference {rank - one / world:+,.0f} MB"
+            )
     s = results.get("first_step")
     if s:
-        lines.append(f"first training step, {s['shards']:,} one-row shards ({s['manifest_mb']:.0f} MB manifest): {figures(s)}")
+        lines.append(
+            f"first training step, {s['shards']:,} one-row shards ({s['manifest_mb']:.0f} MB manifest): {figures(s)}"
+        )
     return lines
 
 
@@ -312,9 +390,11 @@ def main() -> None:
         global ANON
         ANON = AnonPeak()
         kind, rest = sys.argv[1], sys.argv[2:]
-        run = {"--child-tokenize": lambda: run_child_tokenize(rest[0], rest[1], int(rest[2])),
-               "--child-extract": lambda: run_child_extract(*rest),
-               "--child-train": lambda: run_child_train(*rest)}[kind]
+        run = {
+            "--child-tokenize": lambda: run_child_tokenize(rest[0], rest[1], int(rest[2])),
+            "--child-extract": lambda: run_child_extract(*rest),
+            "--child-train": lambda: run_child_train(*rest),
+        }[kind]
         print(json.dumps(run()))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -327,8 +407,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dflash-scale-", dir=args.work))
     try:
-        results = {"tokenize": tokenize_throughput(work, args.tokenize_records) if args.tokenize_records else None,
-                   "front_end": []}
+        results = {
+            "tokenize": tokenize_throughput(work, args.tokenize_records) if args.tokenize_records else None,
+            "front_end": [],
+        }
         print("\n".join(report(results)), flush=True)
         for size in (int(s) for s in args.sizes.split(",") if s):
             results["front_end"].append(front_end(work, size, args.world))

@@ -68,14 +68,28 @@ def main() -> None:
             for verify in (False, True):
                 runs[verify].append(one_epoch(tmp, verify, args.budget, args.workers, args.step_ms / 1000))
     plain, verified = statistics.median(runs[False]), statistics.median(runs[True])
-    print(f"{shards} shards, {size / 1e6:,.0f} MB; {args.workers} reader threads, batches of {args.budget} tokens, "
-          f"a step of {args.step_ms:g} ms\n"
-          f"without verification: {plain:,.0f} tokens/s (runs {', '.join(f'{r:,.0f}' for r in runs[False])})\n"
-          f"verifying each shard on first read: {verified:,.0f} tokens/s (runs {', '.join(f'{r:,.0f}' for r in runs[True])})\n"
-          f"ratio: {verified / plain:.3f}", flush=True)
+    print(
+        f"{shards} shards, {size / 1e6:,.0f} MB; {args.workers} reader threads, batches of {args.budget} tokens, "
+        f"a step of {args.step_ms:g} ms\n"
+        f"without verification: {plain:,.0f} tokens/s (runs {', '.join(f'{r:,.0f}' for r in runs[False])})\n"
+        f"verifying each shard on first read: {verified:,.0f} tokens/s (runs {', '.join(f'{r:,.0f}' for r in runs[True])})\n"
+        f"ratio: {verified / plain:.3f}",
+        flush=True,
+    )
     if args.json:
-        args.json.write_text(json.dumps({**vars(args), "json": None, "shards": shards, "bytes": size,
-                                         "plain": runs[False], "verified": runs[True]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    **vars(args),
+                    "json": None,
+                    "shards": shards,
+                    "bytes": size,
+                    "plain": runs[False],
+                    "verified": runs[True],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

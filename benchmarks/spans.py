@@ -61,9 +61,15 @@ def measure(tokenizer, messages: list[dict], repeats: int, label: str) -> dict:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     plain = best_of(repeats, lambda: tokenizer(text, add_special_tokens=False))
     spans = best_of(repeats, lambda: encode_conversation(tokenizer, messages))
-    return {"template": label, "messages": len(messages), "tokens": len(encoded.input_ids), "renders": renders[0],
-            "plain_encode_ms": round(plain * 1e3, 3), "encode_conversation_ms": round(spans * 1e3, 3),
-            "ratio": round(spans / plain, 2)}
+    return {
+        "template": label,
+        "messages": len(messages),
+        "tokens": len(encoded.input_ids),
+        "renders": renders[0],
+        "plain_encode_ms": round(plain * 1e3, 3),
+        "encode_conversation_ms": round(spans * 1e3, 3),
+        "ratio": round(spans / plain, 2),
+    }
 
 
 def main() -> None:
@@ -73,14 +79,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
-    words = " ".join(json.loads(line)["messages"][-1]["content"] for line in
-                     (TARGET.parent / "data" / "train.jsonl").read_text().splitlines()[:200]).split()
+    words = " ".join(
+        json.loads(line)["messages"][-1]["content"]
+        for line in (TARGET.parent / "data" / "train.jsonl").read_text().splitlines()[:200]
+    ).split()
     probe = " ".join(words[:1000])
     words_per_turn = max(1, round(args.tokens_per_turn * 1000 / len(tokenizer(probe)["input_ids"])))
-    print(json.dumps(measure(tokenizer, conversation(words, args.turns, words_per_turn, False), args.repeats, "bundled")))
+    print(
+        json.dumps(measure(tokenizer, conversation(words, args.turns, words_per_turn, False), args.repeats, "bundled"))
+    )
     tokenizer.chat_template = QWEN3.read_text()
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
-    print(json.dumps(measure(tokenizer, conversation(words, args.turns, words_per_turn, True), args.repeats, "qwen3 fixture")))
+    print(
+        json.dumps(
+            measure(tokenizer, conversation(words, args.turns, words_per_turn, True), args.repeats, "qwen3 fixture")
+        )
+    )
 
 
 if __name__ == "__main__":

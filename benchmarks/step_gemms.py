@@ -61,9 +61,12 @@ def step_matmuls(trace: Path) -> dict[tuple, list[float]]:
     return {key: list(by_call.values()) for key, by_call in calls.items()}
 
 
-def operands(op: str, dims: list, strides: list) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def operands(
+    op: str, dims: list, strides: list
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(addmm's added input or None, mat1, mat2, the out= tensor or None) with the recorded sizes and strides:
     mm(mat1, mat2[, out]) and addmm(input, mat1, mat2, beta, alpha[, out])."""
+
     def tensor(i: int) -> torch.Tensor:
         return torch.empty_strided(dims[i], strides[i], device="cuda", dtype=torch.bfloat16).normal_()
 
@@ -82,7 +85,9 @@ def alone_ms(op: str, dims: list, strides: list, iters: int, swapped: bool) -> f
     added, a, b, out = operands(op, dims, strides)
     if swapped:  # the same product with the operands' roles exchanged, into the same output memory
         if added is not None:
-            return cuda_mean_ms(lambda: torch.addmm(added.t(), b.t(), a.t(), out=None if out is None else out.t()), iters)
+            return cuda_mean_ms(
+                lambda: torch.addmm(added.t(), b.t(), a.t(), out=None if out is None else out.t()), iters
+            )
         return cuda_mean_ms(lambda: torch.mm(b.t(), a.t(), out=None if out is None else out.t()), iters)
     if added is not None:
         return cuda_mean_ms(lambda: torch.addmm(added, a, b, out=out), iters)
@@ -120,9 +125,11 @@ def report_matmuls(found: dict[tuple, list[float]], iters: int, peak: float) -> 
             totals[i] += ms * per_step
         cells = [f"{ms:7.3f} ms {flops / ms / 1e9:4.0f}" for ms in (inside, alone, swapped)]
         print(f"{op:<12} {dims:<34} {strides:<30} {per_step:5.1f} " + " ".join(cells), flush=True)
-    print(f"a step: in the step {totals[0]:.1f} ms, alone {totals[1]:.1f} ms, alone in the faster layout "
-          f"{totals[2]:.1f} ms, each group at the fastest of the three {totals[3]:.1f} ms (ms per call and TFLOP/s "
-          f"above; MFU's peak {peak:.0f})")
+    print(
+        f"a step: in the step {totals[0]:.1f} ms, alone {totals[1]:.1f} ms, alone in the faster layout "
+        f"{totals[2]:.1f} ms, each group at the fastest of the three {totals[3]:.1f} ms (ms per call and TFLOP/s "
+        f"above; MFU's peak {peak:.0f})"
+    )
 
 
 def head_chunks(config, rows: int, sizes: list[int], rounds: int) -> None:
@@ -134,16 +141,25 @@ def head_chunks(config, rows: int, sizes: list[int], rounds: int) -> None:
     times = defaultdict(list)
     for _ in range(rounds):
         for size in sizes:
-            times[size].append(cuda_mean_ms(lambda: head_cross_entropy(states, weight, labels, row_weights, size), 5, 2))
+            times[size].append(
+                cuda_mean_ms(lambda: head_cross_entropy(states, weight, labels, row_weights, size), 5, 2)
+            )
     for size in sizes:
-        print(f"LM head, {rows} rows in chunks of {size}: {statistics.median(times[size]):.2f} ms a step "
-              f"(median of {rounds}; rounds {', '.join(f'{t:.2f}' for t in times[size])})", flush=True)
+        print(
+            f"LM head, {rows} rows in chunks of {size}: {statistics.median(times[size]):.2f} ms a step "
+            f"(median of {rounds}; rounds {', '.join(f'{t:.2f}' for t in times[size])})",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_shape_arguments(parser)
-    parser.add_argument("--mode", default="compiled", help="the step's mode: compiled or eager (drafter.py's); '' for --head-chunks alone")
+    parser.add_argument(
+        "--mode",
+        default="compiled",
+        help="the step's mode: compiled or eager (drafter.py's); '' for --head-chunks alone",
+    )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--head-chunks", default="", help="comma-separated chunk sizes to time the LM head at")

@@ -20,21 +20,50 @@ SHAPES = ["qwen3-8b", "qwen3.6-27b-cut", "tiny"]
 
 def target_config(shape: str, layers_cut: int | None = None):
     if shape == "tiny":  # a smoke test of a benchmark on the CPU
-        return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+        return Qwen3Config(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+        )
     if shape == "qwen3-8b":
-        return Qwen3Config(vocab_size=VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                           rope_theta=1e6, tie_word_embeddings=False)
+        return Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        )
     layers = layers_cut or 64
-    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
-                             num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                             linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-                             tie_word_embeddings=False)
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=layers,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        tie_word_embeddings=False,
+    )
 
 
-def make_samples(total_tokens: int, vocab: int, seed: int = 0, shortest: int = 256, longest: int = 4096) -> list[Sample]:
+def make_samples(
+    total_tokens: int, vocab: int, seed: int = 0, shortest: int = 256, longest: int = 4096
+) -> list[Sample]:
     """Random token ids, lengths log-uniform in [shortest, longest], until `total_tokens`."""
     rng = np.random.default_rng(seed)
     samples, tokens = [], 0
@@ -65,6 +94,13 @@ def build_target(config, device: str, folder: Path, attention: str = "sdpa") -> 
     config.save_pretrained(folder)
     tokenizer = word_tokenizer(config.vocab_size)
     tokenizer.save_pretrained(folder)
-    return Target(path=folder, model=model, tokenizer=tokenizer, config=config, num_layers=config.num_hidden_layers,
-                  hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                  config_hash=config_hash(folder / "config.json"))
+    return Target(
+        path=folder,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        config_hash=config_hash(folder / "config.json"),
+    )

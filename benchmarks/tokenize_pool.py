@@ -38,8 +38,9 @@ def pool_start(method: str, target: str, data: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     records = list(read_records(data, skip_bad=True, max_line_bytes=1 << 22, parse_json=False))
     start = time.perf_counter()
-    chunks = dataset._encode_chunks(dataset._chunks(iter(records), dataset.CHUNK_RECORDS), tokenizer,
-                                    len(tokenizer), dataset.EncodeOptions(2048), 2)
+    chunks = dataset._encode_chunks(
+        dataset._chunks(iter(records), dataset.CHUNK_RECORDS), tokenizer, len(tokenizer), dataset.EncodeOptions(2048), 2
+    )
     next(chunks)
     first = time.perf_counter() - start
     for _ in chunks:
@@ -54,9 +55,14 @@ def reuse(tokens: int, folder: Path) -> dict:
     path = folder / "entry.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, tokenized.SCHEMA) as writer:
         for start in range(0, len(lengths), 256):
-            writer.write_batch(tokenized._record_batch([
-                dataset.Sample(start + i, rng.integers(0, 150_000, n, dtype=np.int32), np.ones(n, dtype=bool))
-                for i, n in enumerate(lengths[start : start + 256])]))
+            writer.write_batch(
+                tokenized._record_batch(
+                    [
+                        dataset.Sample(start + i, rng.integers(0, 150_000, n, dtype=np.int32), np.ones(n, dtype=bool))
+                        for i, n in enumerate(lengths[start : start + 256])
+                    ]
+                )
+            )
     out = {"tokens": int(lengths.sum()), "arrow_bytes": path.stat().st_size}
     tokenized._checksum(path)  # the page cache holds the file for every timing below
     for name, check in (("open_s", False), ("open_checked_s", True)):
@@ -88,8 +94,21 @@ def main() -> None:
         data = write_conversations(Path(work) / "data.jsonl", count=args.records, seed=1)
         for _ in range(args.repeats):
             for method in ("fork", "forkserver"):
-                run = subprocess.run([sys.executable, "-m", "benchmarks.tokenize_pool", "--target", args.target,
-                                      "--pool-start", method, str(data)], capture_output=True, text=True, check=True)
+                run = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.tokenize_pool",
+                        "--target",
+                        args.target,
+                        "--pool-start",
+                        method,
+                        str(data),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 print(run.stdout.strip())
         print(json.dumps(reuse(args.tokens, Path(work))))
 

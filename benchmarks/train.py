@@ -46,10 +46,23 @@ from dflash_cache.stream.memory import MemorySource
 
 
 def write_cache(root: Path, config, total_tokens: int, device: str, shard_bytes: int = 1 << 30) -> None:
-    spec = {"target": {"name": "synthetic", "model_type": "qwen3_5_text", "config_hash": "", "num_layers": config.num_target_layers,
-                       "hidden_size": config.target_hidden_size, "vocab_size": config.vocab_size},
-            "layer_ids": config.target_layer_ids, "codec": "bf16-zstd", "hidden_dtype": "bfloat16", "tokenizer_hash": "",
-            "data_hash": "", "max_length": 8192, "topk": 0}
+    spec = {
+        "target": {
+            "name": "synthetic",
+            "model_type": "qwen3_5_text",
+            "config_hash": "",
+            "num_layers": config.num_target_layers,
+            "hidden_size": config.target_hidden_size,
+            "vocab_size": config.vocab_size,
+        },
+        "layer_ids": config.target_layer_ids,
+        "codec": "bf16-zstd",
+        "hidden_dtype": "bfloat16",
+        "tokenizer_hash": "",
+        "data_hash": "",
+        "max_length": 8192,
+        "topk": 0,
+    }
     g = torch.Generator().manual_seed(0)
     writer = ShardWriter(root, 0, spec, max_shard_bytes=shard_bytes)
     width = len(config.target_layer_ids) * config.target_hidden_size
@@ -61,8 +74,13 @@ def write_cache(root: Path, config, total_tokens: int, device: str, shard_bytes:
         rng = np.random.default_rng(sample_id)
         mask = np.ones(n, dtype=bool)
         mask[: int(n * 0.2)] = False
-        return Row(sample_id, rng.integers(0, config.vocab_size - 1, n).astype(np.int32), mask,
-                   rng.integers(0, config.vocab_size - 1, n).astype(np.int32), compress(planes, "bf16-zstd"))
+        return Row(
+            sample_id,
+            rng.integers(0, config.vocab_size - 1, n).astype(np.int32),
+            mask,
+            rng.integers(0, config.vocab_size - 1, n).astype(np.int32),
+            compress(planes, "bf16-zstd"),
+        )
 
     lengths, tokens = [], 0
     while tokens < total_tokens:
@@ -136,8 +154,11 @@ def main() -> None:
     keys = list(range(len(caches.lengths)))
     batches = plan_batches(keys, caches.lengths, args.tokens, seed=0)[: args.batches]
     stored = sum(s.bytes for s in caches.caches[0].shards)
-    print(f"cache: {len(keys)} samples, {sum(caches.lengths)} tokens, {stored / 1e9:.2f} GB on disk, written in {time.perf_counter() - started:.0f} s; "
-          f"{len(batches)} batches, {args.steps} timed steps each run", flush=True)
+    print(
+        f"cache: {len(keys)} samples, {sum(caches.lengths)} tokens, {stored / 1e9:.2f} GB on disk, written in {time.perf_counter() - started:.0f} s; "
+        f"{len(batches)} batches, {args.steps} timed steps each run",
+        flush=True,
+    )
 
     step = make_step(config, device)
     cycle = (batches * (args.steps // len(batches) + 2))[: args.steps + 3]
@@ -151,15 +172,28 @@ def main() -> None:
     loader_tok_s = sum(b.num_tokens for b in on_gpu) / (time.perf_counter() - started)
     memory_tok_s, memory_next_s = timed(step, MemorySource(on_gpu, args.steps + 3), args.steps, args.anchors, device)
     del on_gpu
-    print(f"cache-fed:  {cache_tok_s:,.0f} tokens/s ({cache_next_s * 1e3:.1f} ms per step in next())\n"
-          f"memory-fed: {memory_tok_s:,.0f} tokens/s ({memory_next_s * 1e3:.1f} ms per step in next())\n"
-          f"ratio:      {cache_tok_s / memory_tok_s:.3f}\n"
-          f"loader alone, {args.workers} workers: {loader_tok_s:,.0f} tokens/s "
-          f"({loader_tok_s * caches.width * 2 / 1e9:.2f} GB/s of decompressed planes)", flush=True)
+    print(
+        f"cache-fed:  {cache_tok_s:,.0f} tokens/s ({cache_next_s * 1e3:.1f} ms per step in next())\n"
+        f"memory-fed: {memory_tok_s:,.0f} tokens/s ({memory_next_s * 1e3:.1f} ms per step in next())\n"
+        f"ratio:      {cache_tok_s / memory_tok_s:.3f}\n"
+        f"loader alone, {args.workers} workers: {loader_tok_s:,.0f} tokens/s "
+        f"({loader_tok_s * caches.width * 2 / 1e9:.2f} GB/s of decompressed planes)",
+        flush=True,
+    )
 
-    small = replace(config, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=2, layer_types=["sliding_attention", "full_attention"], vocab_size=32000,
-                    mask_token_id=31999, target_hidden_size=1024, sliding_window=config.sliding_window or 2048)
+    small = replace(
+        config,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=32000,
+        mask_token_id=31999,
+        target_hidden_size=1024,
+        sliding_window=config.sliding_window or 2048,
+    )
     small_step = make_step(small, device)
     # One batch's worth of random tensors on the device; each step takes a prefix of random length
     # and its own sample boundaries, so every step has a new shape.
@@ -173,17 +207,41 @@ def main() -> None:
         n = int(torch.randint(2048, pool.num_tokens + 1, (1,), generator=g))
         cuts = torch.sort(torch.randint(1, n, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g)).values
         cu = torch.unique(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])).int().to(device)
-        small_step(FeatureBatch(list(range(len(cu) - 1)), pool.input_ids[:n], pool.loss_mask[:n], pool.target_ids[:n],
-                                pool.hidden[:n], cu), args.anchors)
+        small_step(
+            FeatureBatch(
+                list(range(len(cu) - 1)),
+                pool.input_ids[:n],
+                pool.loss_mask[:n],
+                pool.target_ids[:n],
+                pool.hidden[:n],
+                cu,
+            ),
+            args.anchors,
+        )
         if k in (100, args.memory_steps):
             sync(device)
             peaks[k] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
-    print(f"peak GPU memory, small drafter, varying shapes: step 100 {peaks[100]:.3f} GB, step {args.memory_steps} {peaks[args.memory_steps]:.3f} GB "
-          f"({(peaks[args.memory_steps] / max(peaks[100], 1e-9) - 1) * 100:+.2f}%)", flush=True)
+    print(
+        f"peak GPU memory, small drafter, varying shapes: step 100 {peaks[100]:.3f} GB, step {args.memory_steps} {peaks[args.memory_steps]:.3f} GB "
+        f"({(peaks[args.memory_steps] / max(peaks[100], 1e-9) - 1) * 100:+.2f}%)",
+        flush=True,
+    )
     if args.json:
-        args.json.write_text(json.dumps({"cache_tok_s": cache_tok_s, "memory_tok_s": memory_tok_s, "ratio": cache_tok_s / memory_tok_s,
-                                         "cache_next_s": cache_next_s, "memory_next_s": memory_next_s, "loader_tok_s": loader_tok_s,
-                                         "stored_gb": stored / 1e9, "peak_gb": peaks}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "cache_tok_s": cache_tok_s,
+                    "memory_tok_s": memory_tok_s,
+                    "ratio": cache_tok_s / memory_tok_s,
+                    "cache_next_s": cache_next_s,
+                    "memory_next_s": memory_next_s,
+                    "loader_tok_s": loader_tok_s,
+                    "stored_gb": stored / 1e9,
+                    "peak_gb": peaks,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

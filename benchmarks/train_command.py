@@ -58,27 +58,50 @@ SEED, LR, WEIGHT_DECAY = 0, 6e-4, 0.01  # train's defaults
 def run_command(command: list[str], run_dir: Path, log: Path) -> dict:
     """The command in a new process with new empty compile caches; its exit code, wall seconds and metrics."""
     scratch = Path(tempfile.mkdtemp(prefix="compile-caches-"))
-    env = {**os.environ, "TRITON_CACHE_DIR": str(scratch / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor")}
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(scratch / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+    }
     started = time.perf_counter()
     with open(log, "w") as out:
         rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return {"rc": rc, "wall_s": wall, "steps": [r for r in records if "loss" in r], "last_line": log.read_text().strip().splitlines()[-1:]}
+    return {
+        "rc": rc,
+        "wall_s": wall,
+        "steps": [r for r in records if "loss" in r],
+        "last_line": log.read_text().strip().splitlines()[-1:],
+    }
 
 
 def steady(steps: list[dict], warmup: int) -> dict:
     timed = steps[warmup:]
     seconds = sum(r["step_time_s"] for r in timed)
-    return {"tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_ms": 1e3 * seconds / len(timed),
-            "warmup_s": sum(r["step_time_s"] for r in steps[:warmup]), "blocks_per_step": sum(r["blocks"] for r in timed) / len(timed),
-            "tokens_per_step": sum(r["tokens"] for r in timed) / len(timed), "first_loss": steps[0]["loss"],
-            "peak_gib": max(r.get("gpu_mem_gib", 0) for r in steps)}
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
+        "step_ms": 1e3 * seconds / len(timed),
+        "warmup_s": sum(r["step_time_s"] for r in steps[:warmup]),
+        "blocks_per_step": sum(r["blocks"] for r in timed) / len(timed),
+        "tokens_per_step": sum(r["tokens"] for r in timed) / len(timed),
+        "first_loss": steps[0]["loss"],
+        "peak_gib": max(r.get("gpu_mem_gib", 0) for r in steps),
+    }
 
 
-def harness(cache: Path, preset: str, mode: str, tokens: int, max_anchors: int, per_batch: int | None, steps: int,
-            warmup: int, device: torch.device) -> dict:
+def harness(
+    cache: Path,
+    preset: str,
+    mode: str,
+    tokens: int,
+    max_anchors: int,
+    per_batch: int | None,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+) -> dict:
     """benchmarks/drafter.py's step on the trainer's batches and anchors, with the trainer's drafter."""
     caches = CacheSet([cache])
     keys, _ = caches.split(0.0)
@@ -89,20 +112,37 @@ def harness(cache: Path, preset: str, mode: str, tokens: int, max_anchors: int, 
     optimizer = build_optimizer(model, LR, WEIGHT_DECAY)
     anchor_budget = plan.anchor_bound(0, config.block_size, max_anchors) if mode == "compiled" else None
     anchor_budget = min(filter(None, (anchor_budget, per_batch)), default=None)  # as train takes them
-    runner = DrafterRunner(model, compiled=mode == "compiled", anchor_budget=anchor_budget,
-                           token_budget=max(tokens, max(caches.lengths[k] for k in keys)))
+    runner = DrafterRunner(
+        model,
+        compiled=mode == "compiled",
+        anchor_budget=anchor_budget,
+        token_budget=max(tokens, max(caches.lengths[k] for k in keys)),
+    )
     with Loader(caches, batches, device) as loader:
         on_gpu = list(loader)
-    anchors = [sample_anchors(b, config.block_size, max_anchors, torch.Generator(device).manual_seed(batch_seed(SEED, TRAIN, 0, i)),
-                              max_total=anchor_budget) for i, b in enumerate(on_gpu)]
+    anchors = [
+        sample_anchors(
+            b,
+            config.block_size,
+            max_anchors,
+            torch.Generator(device).manual_seed(batch_seed(SEED, TRAIN, 0, i)),
+            max_total=anchor_budget,
+        )
+        for i, b in enumerate(on_gpu)
+    ]
     warmup_s, times, losses = timed_steps(
-        lambda k: train_step(runner, model, optimizer, on_gpu[k], anchors[k], device.type), 0, len(on_gpu), device.type)
+        lambda k: train_step(runner, model, optimizer, on_gpu[k], anchors[k], device.type), 0, len(on_gpu), device.type
+    )
     timed = range(warmup, len(on_gpu))
     seconds = sum(times[k] for k in timed)
     caches.close()
-    return {"tokens_per_s": sum(on_gpu[k].num_tokens for k in timed) / seconds, "step_ms": 1e3 * seconds / len(timed),
-            "warmup_s": sum(times[:warmup]), "blocks_per_step": sum(anchors[k].numel() for k in timed) / len(timed),
-            "first_loss": losses[0].item()}
+    return {
+        "tokens_per_s": sum(on_gpu[k].num_tokens for k in timed) / seconds,
+        "step_ms": 1e3 * seconds / len(timed),
+        "warmup_s": sum(times[:warmup]),
+        "blocks_per_step": sum(anchors[k].numel() for k in timed) / len(timed),
+        "first_loss": losses[0].item(),
+    }
 
 
 def profile_trainer(cache: Path, preset: str, tokens: int, max_anchors: int, warmup: int, folder: Path) -> None:
@@ -123,8 +163,16 @@ def profile_trainer(cache: Path, preset: str, tokens: int, max_anchors: int, war
         return real_step(*args, **kwargs)
 
     trainer.train_step = step
-    cfg = TrainConfig(caches=[str(cache)], out=str(folder / "run"), drafter=preset, token_budget=tokens,
-                      max_anchors=max_anchors, steps=warmup + 4, save_every=0, eval_fraction=0.0)
+    cfg = TrainConfig(
+        caches=[str(cache)],
+        out=str(folder / "run"),
+        drafter=preset,
+        token_budget=tokens,
+        max_anchors=max_anchors,
+        steps=warmup + 4,
+        save_every=0,
+        eval_fraction=0.0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -138,8 +186,11 @@ def profile_trainer(cache: Path, preset: str, tokens: int, max_anchors: int, war
     profiler.stop()
     trace = folder / "train_eager_trace.json"
     profiler.export_chrome_trace(str(trace))
-    report = [gpu_idle(trace, shown=20), "host waits for the GPU, by source line (count over the profiled steps):",
-              *[f"  {n:4d}  {where}" for where, n in syncs.most_common()]]
+    report = [
+        gpu_idle(trace, shown=20),
+        "host waits for the GPU, by source line (count over the profiled steps):",
+        *[f"  {n:4d}  {where}" for where, n in syncs.most_common()],
+    ]
     (folder / "train_eager_profile.txt").write_text("\n".join(report) + "\n")
     print("\n".join(report), flush=True)
 
@@ -154,12 +205,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the tokens/s")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--command", default="dflash-cache", help="how to call the CLI")
-    parser.add_argument("--defaults", type=int, default=0,
-                        help="first, this many steps of each mode with train's default sizes (3 of them warm-up)")
+    parser.add_argument(
+        "--defaults",
+        type=int,
+        default=0,
+        help="first, this many steps of each mode with train's default sizes (3 of them warm-up)",
+    )
     parser.add_argument("--no-step", action="store_true", help="leave out 4. (the step alone on the same batches)")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--profile", type=Path, help="profile the eager trainer's loop into this folder (5. above)")
-    parser.add_argument("--device", default="cuda", help="cpu: a check of this script with a tiny drafter JSON as --preset")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a check of this script with a tiny drafter JSON as --preset"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -169,29 +226,76 @@ def main() -> None:
     started = time.perf_counter()
     if not (cache / "manifest.json").exists():  # a --work of an earlier run keeps its cache
         # enough for every run: the defaults' batches hold 49,152 tokens, 3 x the usual --tokens
-        write_cache(cache, config, int(1.2 * max(args.steps, 3 * args.defaults, args.warmup + 4) * args.tokens), device.type)
+        write_cache(
+            cache, config, int(1.2 * max(args.steps, 3 * args.defaults, args.warmup + 4) * args.tokens), device.type
+        )
         write_head(cache, config.target_hidden_size, config.vocab_size)
-    print(f"cache: {len(CacheSet([cache]).lengths)} samples, ready in {time.perf_counter() - started:.0f} s", flush=True)
-    base = [*shlex.split(args.command), "train", "--cache", str(cache), "--drafter", args.preset, "--save-every", "0",
-            "--eval-fraction", "0", "--log-every", "5"]
+    print(
+        f"cache: {len(CacheSet([cache]).lengths)} samples, ready in {time.perf_counter() - started:.0f} s", flush=True
+    )
+    base = [
+        *shlex.split(args.command),
+        "train",
+        "--cache",
+        str(cache),
+        "--drafter",
+        args.preset,
+        "--save-every",
+        "0",
+        "--eval-fraction",
+        "0",
+        "--log-every",
+        "5",
+    ]
     sizes = ["--token-budget", str(args.tokens), "--max-anchors", str(args.max_anchors)]
     if args.anchors_per_batch:
         sizes += ["--anchors-per-batch", str(args.anchors_per_batch)]
-    results: dict = {"preset": args.preset, "tokens": args.tokens, "max_anchors": args.max_anchors,
-                     "anchors_per_batch": args.anchors_per_batch}
+    results: dict = {
+        "preset": args.preset,
+        "tokens": args.tokens,
+        "max_anchors": args.max_anchors,
+        "anchors_per_batch": args.anchors_per_batch,
+    }
     modes = args.modes.split(",")
     for mode in modes if args.defaults else []:
         name = f"defaults-{mode}"
-        run = run_command([*base, "--out", str(work / name), "--steps", str(args.defaults),
-                           *(["--compile"] if mode == "compiled" else [])], work / name, work / f"{name}.log")
-        said = [line for line in (work / f"{name}.log").read_text().splitlines() if "blocks" in line and "step " not in line]
-        results[name] = {"rc": run["rc"], "said": said, "wall_s": run["wall_s"],
-                         **(steady(run["steps"], 3) if len(run["steps"]) > 3 else {"last_line": run["last_line"]})}
-        print(f"{name}: rc {run['rc']} in {run['wall_s']:.0f} s; " + "; ".join(said) + f"; {summary(results[name])}", flush=True)
+        run = run_command(
+            [
+                *base,
+                "--out",
+                str(work / name),
+                "--steps",
+                str(args.defaults),
+                *(["--compile"] if mode == "compiled" else []),
+            ],
+            work / name,
+            work / f"{name}.log",
+        )
+        said = [
+            line for line in (work / f"{name}.log").read_text().splitlines() if "blocks" in line and "step " not in line
+        ]
+        results[name] = {
+            "rc": run["rc"],
+            "said": said,
+            "wall_s": run["wall_s"],
+            **(steady(run["steps"], 3) if len(run["steps"]) > 3 else {"last_line": run["last_line"]}),
+        }
+        print(
+            f"{name}: rc {run['rc']} in {run['wall_s']:.0f} s; " + "; ".join(said) + f"; {summary(results[name])}",
+            flush=True,
+        )
     for mode in modes if args.steps else []:
         out = work / f"run-{mode}"
         shutil.rmtree(out, ignore_errors=True)
-        command = [*base, "--out", str(out), *sizes, "--steps", str(args.steps), *(["--compile"] if mode == "compiled" else [])]
+        command = [
+            *base,
+            "--out",
+            str(out),
+            *sizes,
+            "--steps",
+            str(args.steps),
+            *(["--compile"] if mode == "compiled" else []),
+        ]
         run = run_command(command, out, work / f"{mode}.log")
         if run["rc"] != 0 or len(run["steps"]) < args.steps:
             raise SystemExit(f"{mode}: train exited {run['rc']} after {len(run['steps'])} steps: {run['last_line']}")
@@ -199,12 +303,23 @@ def main() -> None:
         results[mode] = {"train": trainer_figures}
         line = f"{mode}: train {summary(trainer_figures)}"
         if not args.no_step:
-            bench = harness(cache, args.preset, mode, args.tokens, args.max_anchors, args.anchors_per_batch, args.steps,
-                            args.warmup, device)
+            bench = harness(
+                cache,
+                args.preset,
+                mode,
+                args.tokens,
+                args.max_anchors,
+                args.anchors_per_batch,
+                args.steps,
+                args.warmup,
+                device,
+            )
             results[mode].update(step=bench, ratio=trainer_figures["tokens_per_s"] / bench["tokens_per_s"])
-            line += (f" | the step alone {bench['tokens_per_s']:,.0f} tokens/s ({bench['step_ms']:.1f} ms, "
-                     f"{bench['blocks_per_step']:.0f} blocks; first {args.warmup} steps {bench['warmup_s']:.1f} s) | train / step "
-                     f"{results[mode]['ratio']:.3f} | first loss {trainer_figures['first_loss']:.4f} / {bench['first_loss']:.4f}")
+            line += (
+                f" | the step alone {bench['tokens_per_s']:,.0f} tokens/s ({bench['step_ms']:.1f} ms, "
+                f"{bench['blocks_per_step']:.0f} blocks; first {args.warmup} steps {bench['warmup_s']:.1f} s) | train / step "
+                f"{results[mode]['ratio']:.3f} | first loss {trainer_figures['first_loss']:.4f} / {bench['first_loss']:.4f}"
+            )
         print(line, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -217,9 +332,11 @@ def main() -> None:
 def summary(figures: dict) -> str:
     if "tokens_per_s" not in figures:
         return f"{figures.get('last_line')}"
-    return (f"{figures['tokens_per_s']:,.0f} tokens/s ({figures['step_ms']:.1f} ms a step, {figures['blocks_per_step']:.0f} "
-            f"blocks, {figures['tokens_per_step']:.0f} tokens; warm-up {figures['warmup_s']:.1f} s; process "
-            f"{figures.get('wall_s', 0):.0f} s; peak {figures['peak_gib']:.1f} GiB)")
+    return (
+        f"{figures['tokens_per_s']:,.0f} tokens/s ({figures['step_ms']:.1f} ms a step, {figures['blocks_per_step']:.0f} "
+        f"blocks, {figures['tokens_per_step']:.0f} tokens; warm-up {figures['warmup_s']:.1f} s; process "
+        f"{figures.get('wall_s', 0):.0f} s; peak {figures['peak_gib']:.1f} GiB)"
+    )
 
 
 if __name__ == "__main__":

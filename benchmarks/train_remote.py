@@ -37,10 +37,17 @@ def start_s3_server() -> subprocess.Popen:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+    )
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
@@ -65,9 +72,11 @@ def main() -> None:
         started = time.perf_counter()
         fs.put(f"{work / 'cache'}/", "bench/cache", recursive=True)
         upload_s = time.perf_counter() - started
-        sources = {"local disk": ([str(work / "cache")], {}),
-                   "s3, byte ranges": (["s3://bench/cache"], {}),
-                   "s3, whole shards": (["s3://bench/cache"], {"local_dir": work / "fetched"})}
+        sources = {
+            "local disk": ([str(work / "cache")], {}),
+            "s3, byte ranges": (["s3://bench/cache"], {}),
+            "s3, whole shards": (["s3://bench/cache"], {"local_dir": work / "fetched"}),
+        }
         step = make_step(config, args.device)
         results, fetch_s = {}, 0.0
         for name, (paths, kw) in sources.items():
@@ -89,8 +98,11 @@ def main() -> None:
         stored = sum(p.stat().st_size for p in (work / "cache" / "shards").iterdir())
         print(f"cache: {stored / 1e9:.2f} GB, uploaded to the local S3 server in {upload_s:.1f} s", flush=True)
         if args.json:
-            args.json.write_text(json.dumps({"tok_s": results, "fetch_s": fetch_s, "stored_gb": stored / 1e9,
-                                              "upload_s": upload_s}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {"tok_s": results, "fetch_s": fetch_s, "stored_gb": stored / 1e9, "upload_s": upload_s}, indent=2
+                )
+            )
     finally:
         server.kill()
         server.wait()

@@ -32,8 +32,12 @@ def main() -> None:
     parser.add_argument("--layers-cut", type=int, default=16)
     parser.add_argument("--row-tokens", type=int, default=49152, help="extract's default --token-budget")
     parser.add_argument("--work", type=Path, default=Path("/tmp/warmup-bench"))
-    parser.add_argument("--runs", default="cold,warm", help="cold (an empty kernel cache), then warm (the cache it filled); '' for none")
-    parser.add_argument("--compile-log", type=Path, help="then a cold warm-up in this process, each compilation logged here")
+    parser.add_argument(
+        "--runs", default="cold,warm", help="cold (an empty kernel cache), then warm (the cache it filled); '' for none"
+    )
+    parser.add_argument(
+        "--compile-log", type=Path, help="then a cold warm-up in this process, each compilation logged here"
+    )
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     target, kernels = args.work / "target", args.work / "kernels"
@@ -45,10 +49,15 @@ def main() -> None:
         if process is None:
             raise SystemExit("this benchmark needs a CUDA GPU")
         process.join()
-        print(f"{run}: exit code {process.exitcode}, {time.perf_counter() - started:.1f} s from the process start", flush=True)
+        print(
+            f"{run}: exit code {process.exitcode}, {time.perf_counter() - started:.1f} s from the process start",
+            flush=True,
+        )
     if args.compile_log:
         shutil.rmtree(kernels, ignore_errors=True)
-        log_compilations(args.compile_log, lambda: warm_up_small_model(target, PackedLayout(args.row_tokens), "cuda", kernels))
+        log_compilations(
+            args.compile_log, lambda: warm_up_small_model(target, PackedLayout(args.row_tokens), "cuda", kernels)
+        )
 
 
 def log_compilations(path: Path, warm_up) -> None:
@@ -57,9 +66,17 @@ def log_compilations(path: Path, warm_up) -> None:
     started, compiles = time.perf_counter(), []
 
     def on_compile(*, src, metadata, times, cache_hit, **_) -> None:
-        compiles.append({"kernel": src.name, "num_warps": metadata.get("num_warps"), "num_stages": metadata.get("num_stages"),
-                         "seconds": times.total / 1e6, "ended_s": time.perf_counter() - started, "cache_hit": cache_hit,
-                         "stages_s": {stage: us / 1e6 for stage, us in times.lowering_stages}})
+        compiles.append(
+            {
+                "kernel": src.name,
+                "num_warps": metadata.get("num_warps"),
+                "num_stages": metadata.get("num_stages"),
+                "seconds": times.total / 1e6,
+                "ended_s": time.perf_counter() - started,
+                "cache_hit": cache_hit,
+                "stages_s": {stage: us / 1e6 for stage, us in times.lowering_stages},
+            }
+        )
 
     knobs.compilation.listener = on_compile
     try:
@@ -69,10 +86,16 @@ def log_compilations(path: Path, warm_up) -> None:
     path.write_text(json.dumps(compiles, indent=1))
     made = [c for c in compiles if not c["cache_hit"]]
     ends = [c["ended_s"] for c in made]
-    print(f"compile log: {len(made)} compilations ({len(compiles) - len(made)} from disk), {sum(c['seconds'] for c in made):.1f} s "
-          f"in all, ending {min(ends, default=0):.1f}-{max(ends, default=0):.1f} s after the start; the slowest:", flush=True)
+    print(
+        f"compile log: {len(made)} compilations ({len(compiles) - len(made)} from disk), {sum(c['seconds'] for c in made):.1f} s "
+        f"in all, ending {min(ends, default=0):.1f}-{max(ends, default=0):.1f} s after the start; the slowest:",
+        flush=True,
+    )
     for c in sorted(made, key=lambda c: -c["seconds"])[:10]:
-        print(f"  {c['seconds']:6.2f} s  {c['kernel']} warps {c['num_warps']} stages {c['num_stages']}, ended at {c['ended_s']:.1f} s", flush=True)
+        print(
+            f"  {c['seconds']:6.2f} s  {c['kernel']} warps {c['num_warps']} stages {c['num_stages']}, ended at {c['ended_s']:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,24 @@ from dflash_cache.store import open_cache
 
 @click.command("inspect")
 @click.argument("cache", type=click.Path())
-@click.option("--token-budget", type=click.IntRange(min=1), default=49152, show_default=True, help="Token budget for the batch table.")
-@click.option("--sample", "sample_id", type=int, help="Show this sample instead (its sample id: the record's number in the --data files, from 0).")
-@click.option("--record", "record_id", help="Show the sample of this record id instead (the record's own `id`; an integer id as its digits).")
+@click.option(
+    "--token-budget",
+    type=click.IntRange(min=1),
+    default=49152,
+    show_default=True,
+    help="Token budget for the batch table.",
+)
+@click.option(
+    "--sample",
+    "sample_id",
+    type=int,
+    help="Show this sample instead (its sample id: the record's number in the --data files, from 0).",
+)
+@click.option(
+    "--record",
+    "record_id",
+    help="Show the sample of this record id instead (the record's own `id`; an integer id as its digits).",
+)
 def command(cache: str, token_budget: int, sample_id: int | None, record_id: str | None) -> None:
     """Show a cache's spec, size, compression and length buckets (reads the manifest only), or one sample."""
     if sample_id is not None and record_id is not None:

@@ -19,8 +19,8 @@ class Group(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # Errors end "(run with --debug ...)" and people append it to their command: it counts there too.
-        if "--debug" in args and "--" not in args[:(i := args.index("--debug"))]:
-            args = ["--debug", *args[:i], *args[i + 1:]]
+        if "--debug" in args and "--" not in args[: (i := args.index("--debug"))]:
+            args = ["--debug", *args[:i], *args[i + 1 :]]
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):

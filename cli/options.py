@@ -25,7 +25,9 @@ class IntList(click.ParamType):
 
 INT_LIST = IntList()
 
-LAYER_RULE = ("Capture N target layers: the middle one (num_layers // 2) for N=1; else N spread evenly over "
-              "layers 1..num_layers-3 (the reference DFlash rule), or over all layers 0..num_layers-1 when the "
-              "target has fewer than N+3 layers. Default when --layers is not given: 5, or every layer of a "
-              "target with fewer than 5.")
+LAYER_RULE = (
+    "Capture N target layers: the middle one (num_layers // 2) for N=1; else N spread evenly over "
+    "layers 1..num_layers-3 (the reference DFlash rule), or over all layers 0..num_layers-1 when the "
+    "target has fewer than N+3 layers. Default when --layers is not given: 5, or every layer of a "
+    "target with fewer than 5."
+)

@@ -18,4 +18,6 @@ def command(cache: str) -> None:
     total = sum(s.bytes for s in opened.shards)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False, disable=None) as bar:
         report = verify_cache(opened, progress=bar.update)
-    click.echo(f"ok: {report.shards} shards, {report.rows:,} samples, {report.tokens:,} tokens, {size(report.bytes)} verified")
+    click.echo(
+        f"ok: {report.shards} shards, {report.rows:,} samples, {report.tokens:,} tokens, {size(report.bytes)} verified"
+    )

@@ -44,7 +44,9 @@ class FeatureBatch:
     def sequence_ids(self) -> torch.Tensor:
         """Index of the sample each token belongs to, [N] int64."""
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens)
+        return torch.repeat_interleave(
+            torch.arange(len(lengths), device=lengths.device), lengths, output_size=self.num_tokens
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> FeatureBatch:
         return self.apply(lambda t: t.to(device, non_blocking=non_blocking))

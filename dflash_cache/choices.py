@@ -10,7 +10,10 @@ TARGET_DTYPES = ("float32", "bfloat16")  # the target of `eval --target`
 LOSSES = ("dflash", "dpace", "topk")
 DPACE_ALPHA = 0.5  # D-PACE's smoothing: the default of speculators 0.9.0, SpecForge and NVIDIA Model-Optimizer
 DEMO_ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
-DEMO_TRAIN_DATA = ("train_regenerated.jsonl", "train.jsonl")  # in DEMO_ASSETS/data: the target's own answers, or the bundled ones
+DEMO_TRAIN_DATA = (
+    "train_regenerated.jsonl",
+    "train.jsonl",
+)  # in DEMO_ASSETS/data: the target's own answers, or the bundled ones
 # 400, not 600: a step on the regenerated answers (shorter, so more of them per batch) costs more than
 # one on the bundled answers, and the drafter is already far better after 400 (BENCHMARKS.md)
 DEMO_STEPS = 400

@@ -88,7 +88,8 @@ def find_assets(assets: Path, train_data: str = DEMO_TRAIN_DATA[0]) -> Path:
     if missing:
         raise DFlashCacheError(
             f"demo assets not found in {assets} (missing {missing[0]}); the demo needs a source checkout of "
-            "dflash-cache installed with `pip install -e .`, or pass the assets folder.")
+            "dflash-cache installed with `pip install -e .`, or pass the assets folder."
+        )
     return assets
 
 
@@ -139,32 +140,65 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResu
 
     started = time.perf_counter()
     data = write_subset(assets / "data" / opts.train_data, workdir / DATA / opts.train_data, opts.train_samples)
-    extracted = extract(ExtractOptions(target=target, data=[data], out=cache, layers=layers, codec=opts.codec,
-                                       gpus=[0] if torch.cuda.is_available() else None))
+    extracted = extract(
+        ExtractOptions(
+            target=target,
+            data=[data],
+            out=cache,
+            layers=layers,
+            codec=opts.codec,
+            gpus=[0] if torch.cuda.is_available() else None,
+        )
+    )
     seconds["extract"] = time.perf_counter() - started
-    echo(f"extract: {extracted.samples} conversations of {opts.train_data}, {extracted.tokens} tokens, layers {layers} -> {cache} "
-         f"({opts.codec}, {extracted.bytes / max(extracted.tokens, 1):.0f} bytes/token, {seconds['extract']:.0f} s)")
+    echo(
+        f"extract: {extracted.samples} conversations of {opts.train_data}, {extracted.tokens} tokens, layers {layers} -> {cache} "
+        f"({opts.codec}, {extracted.bytes / max(extracted.tokens, 1):.0f} bytes/token, {seconds['extract']:.0f} s)"
+    )
 
     started = time.perf_counter()
     config_file = workdir / DRAFTER_FILE
     config = drafter_config(target, layers, opts.drafter_layers, opts.block_size)
     config_file.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    train(TrainConfig(caches=[str(cache)], out=str(run), drafter=str(config_file), steps=opts.steps,
-                      gpus=[0] if torch.cuda.is_available() else None, token_budget=opts.token_budget, lr=opts.lr,
-                      max_anchors=opts.max_anchors, eval_fraction=0.0, save_every=opts.steps,
-                      log_every=max(1, opts.steps // 10), seed=opts.seed, prefetch=2, workers=2),
-          echo=lambda line: echo(f"  {line}") if line.startswith("step ") else None)
+    train(
+        TrainConfig(
+            caches=[str(cache)],
+            out=str(run),
+            drafter=str(config_file),
+            steps=opts.steps,
+            gpus=[0] if torch.cuda.is_available() else None,
+            token_budget=opts.token_budget,
+            lr=opts.lr,
+            max_anchors=opts.max_anchors,
+            eval_fraction=0.0,
+            save_every=opts.steps,
+            log_every=max(1, opts.steps // 10),
+            seed=opts.seed,
+            prefetch=2,
+            workers=2,
+        ),
+        echo=lambda line: echo(f"  {line}") if line.startswith("step ") else None,
+    )
     seconds["train"] = time.perf_counter() - started
     checkpoint = latest_checkpoint(run)
     records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
-    last = [r["tau"] for r in records if "tau" in r][-max(1, opts.steps // 10):]
+    last = [r["tau"] for r in records if "tau" in r][-max(1, opts.steps // 10) :]
     train_tau = sum(last) / len(last)
-    echo(f"train: {opts.steps} steps of a {opts.drafter_layers}-layer drafter (block size {opts.block_size}) -> "
-         f"{checkpoint} (training tau {train_tau:.2f}, {seconds['train']:.0f} s)")
+    echo(
+        f"train: {opts.steps} steps of a {opts.drafter_layers}-layer drafter (block size {opts.block_size}) -> "
+        f"{checkpoint} (training tau {train_tau:.2f}, {seconds['train']:.0f} s)"
+    )
 
     started = time.perf_counter()
     heldout = assets / "data" / "heldout.jsonl"
-    report = evaluate_speculative(SpeculativeOptions(drafter=checkpoint, target=target, data=[heldout],
-                                                     max_new_tokens=opts.max_new_tokens, num_prompts=opts.eval_prompts))
+    report = evaluate_speculative(
+        SpeculativeOptions(
+            drafter=checkpoint,
+            target=target,
+            data=[heldout],
+            max_new_tokens=opts.max_new_tokens,
+            num_prompts=opts.eval_prompts,
+        )
+    )
     seconds["eval"] = time.perf_counter() - started
     return DemoResult(workdir, target, heldout, cache, run, checkpoint, extracted, train_tau, report, seconds)

@@ -18,7 +18,9 @@ def check_holds_only(root: Path, allowed: Collection[str], option: str, what: st
         raise DFlashCacheError(f"{option} {root} exists and is not a directory; choose a new or empty folder")
     if root.is_dir() and (foreign := sorted(p.name for p in root.iterdir() if p.name not in allowed)):
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise DFlashCacheError(f"{option} {root} holds files that are not {what} ({shown}); choose a new or empty folder")
+        raise DFlashCacheError(
+            f"{option} {root} holds files that are not {what} ({shown}); choose a new or empty folder"
+        )
     check_no_links_out(root, option)
 
 
@@ -38,6 +40,7 @@ def check_no_links_out(root: Path, option: str) -> None:
                     if not Path(entry.path).resolve().is_relative_to(base):
                         raise DFlashCacheError(
                             f"{option} {root}: {entry.path} is a symbolic link out of the folder (to "
-                            f"{Path(entry.path).resolve()}); refusing to write through it: remove the link")
+                            f"{Path(entry.path).resolve()}); refusing to write through it: remove the link"
+                        )
                 elif entry.is_dir():
                     folders.append(entry.path)

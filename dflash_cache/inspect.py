@@ -41,8 +41,10 @@ def _record_id_line(cache: Cache) -> str:
     line = f"record ids:   {held:,} of {len(cache):,} samples (e.g. {next(iter(index))!r})"
     if not shared:
         return line + ", each naming one sample"
-    return (line + f"; {sum(len(s) for s in shared):,} records share an id with another "
-            "(such an id names no sample: look those up by sample id)")
+    return (
+        line + f"; {sum(len(s) for s in shared):,} records share an id with another "
+        "(such an id names no sample: look those up by sample id)"
+    )
 
 
 def describe_sample(cache: Cache, key: int | str) -> list[str]:
@@ -66,10 +68,15 @@ def _data_lines(report: dict) -> list[str]:
         total = max(sum(masked.values()), 1)
         kinds = ", ".join(f"{kind.replace('_', ' ')} {n:,} ({n / total:.1%})" for kind, n in masked.items())
         lines.append(f"masked:       {sum(masked.values()):,} tokens: {kinds}")
-    left_out = [(len(report.get("bad_records", [])), "bad records"), (len(report.get("untrainable", [])), "with nothing to train on")]
+    left_out = [
+        (len(report.get("bad_records", [])), "bad records"),
+        (len(report.get("untrainable", [])), "with nothing to train on"),
+    ]
     if any(n for n, _ in left_out):
         lines.append("left out:     " + ", ".join(f"{n} {what}" for n, what in left_out) + " (listed in the manifest)")
     unfaithful = report.get("unfaithful", {})
     if unfaithful.get("count"):
-        lines.append(f"template:     {unfaithful['count']} conversations not rendered as the data has them, e.g. {unfaithful['examples'][0]}")
+        lines.append(
+            f"template:     {unfaithful['count']} conversations not rendered as the data has them, e.g. {unfaithful['examples'][0]}"
+        )
     return lines

@@ -79,8 +79,9 @@ class LiveSource:
         self.sample_ids: np.ndarray = tokenized.sample_ids  # by key
         self.samples: Mapping[int, Sample] = tokenized.samples(tokenized.sample_ids)  # by sample id
         self.lengths: list[int] = tokenized.lengths.tolist()
-        self.spec = make_spec(self.info, self.layer_ids, LIVE_CODEC, tokenized.source_hash, max_length, topk=0,
-                              token_budget=None)
+        self.spec = make_spec(
+            self.info, self.layer_ids, LIVE_CODEC, tokenized.source_hash, max_length, topk=0, token_budget=None
+        )
         self.width = len(self.layer_ids) * self.info.hidden_size
         self._runner: TargetRunner | None = TargetRunner(built, self.layer_ids) if built else None
 

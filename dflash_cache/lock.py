@@ -31,8 +31,10 @@ def launch_key() -> str | None:
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
-    return (f"world {env['WORLD_SIZE']}, master {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
-            f"run {env.get('TORCHELASTIC_RUN_ID', '?')}")
+    return (
+        f"world {env['WORLD_SIZE']}, master {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
+        f"run {env.get('TORCHELASTIC_RUN_ID', '?')}"
+    )
 
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -91,8 +93,9 @@ class FolderLock:
             fd = os.open(self.guard_path, os.O_RDWR | os.O_CREAT, 0o644)
             if not _flock_by(fd, deadline):
                 os.close(fd)
-                raise DFlashCacheError(f"{self.guard_path} stays locked by a process that does not "
-                                       "release it; stop that process first")
+                raise DFlashCacheError(
+                    f"{self.guard_path} stays locked by a process that does not release it; stop that process first"
+                )
             try:
                 if os.fstat(fd).st_ino == os.stat(self.guard_path).st_ino:
                     return fd

@@ -20,8 +20,15 @@ class ProgressLog:
     """Counts samples, tokens and bytes written against the totals (None: not known, no ETA);
     `start()` begins the lines, `close()` prints the last one. `writes`: whether bytes are shown."""
 
-    def __init__(self, what: str, total_samples: int | None, total_tokens: int | None, echo: Callable[[str], None],
-                 every_s: float = 30.0, writes: bool = True):
+    def __init__(
+        self,
+        what: str,
+        total_samples: int | None,
+        total_tokens: int | None,
+        echo: Callable[[str], None],
+        every_s: float = 30.0,
+        writes: bool = True,
+    ):
         self.what = what
         self.writes = writes
         self.total_samples = total_samples

@@ -42,7 +42,8 @@ class RowBits:
         read a chunk at a time)."""
         out = 0
         for start in range(0, self.n, CHUNK):
-            part = np.unpackbits(self.bits[start >> 3 : (start + CHUNK) >> 3], count=min(CHUNK, self.n - start),
-                                 bitorder="little").astype(bool)
+            part = np.unpackbits(
+                self.bits[start >> 3 : (start + CHUNK) >> 3], count=min(CHUNK, self.n - start), bitorder="little"
+            ).astype(bool)
             out += int(np.asarray(values[start : start + CHUNK])[part].sum())
         return out

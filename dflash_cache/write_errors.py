@@ -32,5 +32,6 @@ def write_failed(what: str | Path, folder: str | Path, error: Exception, then: s
         free = f" ({size(shutil.disk_usage(folder).free)} free now)"
     except OSError:
         free = ""
-    return DFlashCacheError(f"writing {what} failed: {reason}; free space in {folder}{free} (or raise the file-size "
-                            f"limit) and {then}")
+    return DFlashCacheError(
+        f"writing {what} failed: {reason}; free space in {folder}{free} (or raise the file-size limit) and {then}"
+    )

@@ -448,12 +448,24 @@ def regenerate_answers(config: BuildConfig) -> dict:
     out = config.out / "data" / "train_regenerated.jsonl"
     out.unlink(missing_ok=True)
     started = time.time()
-    summary = regenerate(RegenerateOptions(
-        data=[config.out / "data" / "train.jsonl"], out=out, target=config.out / "target", gpus=[],
-        settings=GenerationSettings(max_tokens=config.regenerate_max_tokens), concurrency=1))
-    return {"records": summary.records, "turns": summary.turns, "tokens": summary.tokens,
-            "finish_reasons": dict(summary.finish_reasons), "max_tokens": config.regenerate_max_tokens,
-            "runtime_s": round(time.time() - started, 1)}
+    summary = regenerate(
+        RegenerateOptions(
+            data=[config.out / "data" / "train.jsonl"],
+            out=out,
+            target=config.out / "target",
+            gpus=[],
+            settings=GenerationSettings(max_tokens=config.regenerate_max_tokens),
+            concurrency=1,
+        )
+    )
+    return {
+        "records": summary.records,
+        "turns": summary.turns,
+        "tokens": summary.tokens,
+        "finish_reasons": dict(summary.finish_reasons),
+        "max_tokens": config.regenerate_max_tokens,
+        "runtime_s": round(time.time() - started, 1),
+    }
 
 
 def build(config: BuildConfig) -> dict:
@@ -526,7 +538,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BuildConfig, bool]:
         "--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary size (default: %(default)s)"
     )
     parser.add_argument(
-        "--regenerate-only", action="store_true",
+        "--regenerate-only",
+        action="store_true",
         help="keep the built target and data; only regenerate data/train_regenerated.jsonl with the target",
     )
     args = parser.parse_args(argv)

@@ -13,11 +13,18 @@ from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 
 
-def random_spec(codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 32, vocab_size: int = 100,
-                topk: int = 0) -> dict:
+def random_spec(
+    codec: str = "bf16-zstd", layer_ids=(1, 3), hidden_size: int = 32, vocab_size: int = 100, topk: int = 0
+) -> dict:
     return {
-        "target": {"name": "random", "model_type": "qwen3", "config_hash": "0" * 64, "num_layers": 6,
-                   "hidden_size": hidden_size, "vocab_size": vocab_size},
+        "target": {
+            "name": "random",
+            "model_type": "qwen3",
+            "config_hash": "0" * 64,
+            "num_layers": 6,
+            "hidden_size": hidden_size,
+            "vocab_size": vocab_size,
+        },
         "layer_ids": list(layer_ids),
         "codec": codec,
         "hidden_dtype": "bfloat16",
@@ -49,8 +56,14 @@ def random_row(sample_id: int, num_tokens: int, spec: dict, seed: int = 0) -> tu
     return row, hidden
 
 
-def write_random_cache(root: Path, lengths: list[int], spec: dict | None = None, rows_per_shard: int = 4, seed: int = 0,
-                       record_ids: list[str | None] | None = None) -> dict[int, torch.Tensor]:
+def write_random_cache(
+    root: Path,
+    lengths: list[int],
+    spec: dict | None = None,
+    rows_per_shard: int = 4,
+    seed: int = 0,
+    record_ids: list[str | None] | None = None,
+) -> dict[int, torch.Tensor]:
     """Writes a complete cache (rank 0, sample ids 0..n-1, sample i with `record_ids[i]`); returns the
     hidden tensors written."""
     spec = spec or random_spec()
@@ -90,6 +103,16 @@ def write_one_row_shards(root: Path, lengths: list[int], spec: dict, distinct: i
         with pa.OSFile(str(root / rel), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
             writer.write_batch(row.record_batch)
         size = (root / rel).stat().st_size
-        records.append(ShardRecord(path=rel, rows=1, tokens=n, bytes=size, hidden_bytes=len(row.hidden),
-                                   sha256=file_sha256(root / rel), sample_ids=[sid], num_tokens=[n]))
+        records.append(
+            ShardRecord(
+                path=rel,
+                rows=1,
+                tokens=n,
+                bytes=size,
+                hidden_bytes=len(row.hidden),
+                sha256=file_sha256(root / rel),
+                sample_ids=[sid],
+                num_tokens=[n],
+            )
+        )
     write_manifest(root, build_manifest(JournalState(spec, records, [])))

@@ -36,8 +36,23 @@ def transformers_serve(tmp_path_factory) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "transformers.cli.transformers", "serve", str(TARGET), "--host", "127.0.0.1",
-             "--port", str(port), "--device", "cpu"], stdout=out, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "transformers.cli.transformers",
+                "serve",
+                str(TARGET),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -64,8 +79,14 @@ def transformers_serve(tmp_path_factory) -> str:
 
 
 class ScriptedServer:
-    def __init__(self, model: str = "scripted", fail_first: int = 0, fail_status: int = 503,
-                 delay_s: float = 0.0, models_status: int = 200):
+    def __init__(
+        self,
+        model: str = "scripted",
+        fail_first: int = 0,
+        fail_status: int = 503,
+        delay_s: float = 0.0,
+        models_status: int = 200,
+    ):
         self.model, self.fail_first, self.fail_status = model, fail_first, fail_status
         self.delay_s, self.models_status = delay_s, models_status
         self.requests: list[dict] = []
@@ -92,8 +113,11 @@ class ScriptedServer:
                 return self.fail_status, {"error": f"scripted failure {number}"}
             last = body["messages"][-1]["content"]
             message = {"role": "assistant", "content": f"re: {last}", "reasoning_content": f"thinking about {last}"}
-            return 200, {"model": self.model, "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+            return 200, {
+                "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            }
         finally:
             with self._lock:
                 self.in_flight -= 1

@@ -24,8 +24,11 @@ def pytest_configure(config):
 
     found = Path(dflash_cache_cli.__file__).resolve().parent
     if found != CHECKOUT / "cli":
-        pytest.exit(f"dflash_cache_cli is imported from {found}, not this checkout's {CHECKOUT / 'cli'}: run "
-                    f"`{sys.executable} -m pip install -e {CHECKOUT}` or use this checkout's venv", returncode=4)
+        pytest.exit(
+            f"dflash_cache_cli is imported from {found}, not this checkout's {CHECKOUT / 'cli'}: run "
+            f"`{sys.executable} -m pip install -e {CHECKOUT}` or use this checkout's venv",
+            returncode=4,
+        )
 
 
 def pytest_unconfigure(config):

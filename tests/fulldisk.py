@@ -12,8 +12,15 @@ from pathlib import Path
 
 def can_mount_tmpfs() -> bool:
     try:
-        return subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                              capture_output=True, timeout=30, check=False).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                capture_output=True,
+                timeout=30,
+                check=False,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -28,6 +35,7 @@ def fill_at(point: str, first: list, then: list, disk: Path, logs: Path, size: s
     """Runs `dflash-cache FIRST` with the disk filled once it reaches `point`, then `dflash-cache THEN`
     on the emptied disk. Returns both outcomes; copies of the disk as each left it are in
     `logs/after-first` and `logs/after-then`."""
+
     def command(args: list) -> str:
         return " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *args])
 
@@ -45,5 +53,8 @@ def fill_at(point: str, first: list, then: list, disk: Path, logs: Path, size: s
         cp -r '{disk}' '{logs}/after-then'
     """
     subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=600, check=True)
-    outcomes = [Outcome(int((logs / f"{name}.rc").read_text()), (logs / f"{name}.err").read_text()) for name in ("first", "then")]
+    outcomes = [
+        Outcome(int((logs / f"{name}.rc").read_text()), (logs / f"{name}.err").read_text())
+        for name in ("first", "then")
+    ]
     return outcomes[0], outcomes[1]

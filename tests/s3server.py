@@ -29,8 +29,12 @@ def s3_server() -> str:
         server.start()
         atexit.register(server.stop)
         host, port = server.get_host_and_port()
-        os.environ.update(AWS_ACCESS_KEY_ID="dflash-test-key", AWS_SECRET_ACCESS_KEY=SECRET,
-                          AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_DEFAULT_REGION="us-east-1")
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="dflash-test-key",
+            AWS_SECRET_ACCESS_KEY=SECRET,
+            AWS_ENDPOINT_URL=f"http://{host}:{port}",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
         import fsspec
 
         fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)

@@ -47,8 +47,16 @@ def test_quality_reads_eval_target_lines():
     from benchmarks.quality import parse_eval
     from dflash_cache.eval.speculative import SpeculativeReport
 
-    report = SpeculativeReport(drafter="d", block_size=4, prompts=1, new_tokens=10, target_forwards=8,
-                               accepted=[0, 1, 3, 0], speculative_s=1.0, greedy_s=2.0)
+    report = SpeculativeReport(
+        drafter="d",
+        block_size=4,
+        prompts=1,
+        new_tokens=10,
+        target_forwards=8,
+        accepted=[0, 1, 3, 0],
+        speculative_s=1.0,
+        greedy_s=2.0,
+    )
     parsed = parse_eval("\n".join(["drafter d", *report.lines()]))
     assert parsed.tau == 2.0 and parsed.tokens_per_forward == 1.25
     assert parsed.acceptance == [0.5, 0.25, 0.25]

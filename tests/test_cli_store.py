@@ -45,12 +45,17 @@ def test_a_folder_that_is_no_cache_is_not_called_incomplete(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("{}\n")
-    for command in (["inspect", run_dir], ["verify", run_dir],
-                    ["train", "--cache", run_dir, "--out", tmp_path / "new", "--steps", 1]):
+    for command in (
+        ["inspect", run_dir],
+        ["verify", run_dir],
+        ["train", "--cache", run_dir, "--out", tmp_path / "new", "--steps", 1],
+    ):
         code, out = run(*command)
         assert code == 1 and out.count("\n") == 1, out
-        assert f"error: {run_dir} is not a cache (it has no manifest.json and no journal/); give a folder that " \
-               "`dflash-cache extract` wrote" in out, out
+        assert (
+            f"error: {run_dir} is not a cache (it has no manifest.json and no journal/); give a folder that "
+            "`dflash-cache extract` wrote" in out
+        ), out
     assert not (tmp_path / "new").exists()
     write_random_cache(tmp_path / "cut", [5, 9])
     (tmp_path / "cut" / "manifest.json").unlink()  # journals but no manifest: an extraction to finish

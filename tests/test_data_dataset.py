@@ -17,13 +17,23 @@ def files(tmp_path, conversations):
     """Three files of different forms: 12 conversations, 2 ShareGPT records, 3 pre-tokenized rows."""
     sharegpt = tmp_path / "sharegpt.jsonl"
     sharegpt.write_text(
-        json.dumps({"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"}]}) + "\n"
-        + json.dumps({"conversations": [{"from": "system", "value": "be brief"}, {"from": "user", "value": "q"},
-                                        {"from": "assistant", "value": "the answer"}]}) + "\n"
+        json.dumps({"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"}]})
+        + "\n"
+        + json.dumps(
+            {
+                "conversations": [
+                    {"from": "system", "value": "be brief"},
+                    {"from": "user", "value": "q"},
+                    {"from": "assistant", "value": "the answer"},
+                ]
+            }
+        )
+        + "\n"
     )
     tokens = tmp_path / "tokens.parquet"
-    pq.write_table(pa.table({"input_ids": [[1, 2, 3], list(range(10, 60)), [7]],
-                             "loss_mask": [[0, 1, 1], [1] * 50, [1]]}), tokens)
+    pq.write_table(
+        pa.table({"input_ids": [[1, 2, 3], list(range(10, 60)), [7]], "loss_mask": [[0, 1, 1], [1] * 50, [1]]}), tokens
+    )
     return [conversations, sharegpt, tokens]
 
 
@@ -56,7 +66,9 @@ def test_truncation(files, tokenizer):
     kept = {s.sample_id: s for s in data.samples}
     trainable = [s for s in full.samples if s.loss_mask[:20].any()]
     assert sorted(kept) == [s.sample_id for s in trainable]
-    assert [u["sample_id"] for u in data.untrainable] == [s.sample_id for s in full.samples if not s.loss_mask[:20].any()]
+    assert [u["sample_id"] for u in data.untrainable] == [
+        s.sample_id for s in full.samples if not s.loss_mask[:20].any()
+    ]
     assert data.untrainable and all(":" in u["where"] for u in data.untrainable)
     assert data.num_truncated == sum(len(s.input_ids) > 20 for s in trainable) > 0
     for before in trainable:
@@ -111,14 +123,16 @@ def mixed_file(tmp_path, tokenizer):
     """Good records with a bad one of each kind between them."""
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     lines = [
-        json.dumps(good),                                                   # 1 good
-        '{"messages": [',                                                   # 2 malformed JSON
+        json.dumps(good),  # 1 good
+        '{"messages": [',  # 2 malformed JSON
         json.dumps({"messages": [{"role": "user", "content": "no reply"}]}),  # 3 nothing to train on
-        json.dumps({"input_ids": [1, len(tokenizer)]}),                     # 4 outside the vocabulary
-        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "boom"}]}),  # 5 template error
-        json.dumps({"input_ids": [5, 6], "loss_mask": [0, 0]}),             # 6 good line, nothing to train on
-        json.dumps({"input_ids": list(range(5, 300))}),                     # 7 longer than the byte limit below
-        json.dumps(good),                                                   # 8 good
+        json.dumps({"input_ids": [1, len(tokenizer)]}),  # 4 outside the vocabulary
+        json.dumps(
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "boom"}]}
+        ),  # 5 template error
+        json.dumps({"input_ids": [5, 6], "loss_mask": [0, 0]}),  # 6 good line, nothing to train on
+        json.dumps({"input_ids": list(range(5, 300))}),  # 7 longer than the byte limit below
+        json.dumps(good),  # 8 good
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -126,9 +140,11 @@ def mixed_file(tmp_path, tokenizer):
 
 
 def failing_tokenizer():
-    template = ("{%- for m in messages %}{%- if m['content'] == 'boom' %}{{ raise_exception('roles must alternate') }}"
-                "{%- endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-                "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    template = (
+        "{%- for m in messages %}{%- if m['content'] == 'boom' %}{{ raise_exception('roles must alternate') }}"
+        "{%- endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
     return build_tokenizer(chat_template=template)
 
 
@@ -145,7 +161,10 @@ def test_bad_records_stop_or_are_skipped_and_listed(tmp_path, workers, monkeypat
     assert [(b["where"], b["reason"].split(" (")[0].split(":")[0]) for b in data.bad_records] == [
         (f"{path}:2", "not valid JSON"),
         (f"{path}:3", "the conversation has no assistant turn, so nothing to train on"),
-        (f"{path}:4", f"token id {len(tokenizer)} at position 1 is outside the tokenizer's vocabulary of {len(tokenizer)} ids"),
+        (
+            f"{path}:4",
+            f"token id {len(tokenizer)} at position 1 is outside the tokenizer's vocabulary of {len(tokenizer)} ids",
+        ),
         (f"{path}:5", "the chat template failed on this conversation"),
         (f"{path}:7", "the line is longer than 1,000 bytes, the limit for this --max-length"),
     ]
@@ -160,7 +179,11 @@ def test_one_huge_line_costs_little_memory(tmp_path, tokenizer):
     path = tmp_path / "huge.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     with open(path, "w") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "x" * (50 << 20)}, {"role": "assistant", "content": "y"}]}))
+        f.write(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "x" * (50 << 20)}, {"role": "assistant", "content": "y"}]}
+            )
+        )
         f.write("\n" + good + "\n")
     tracemalloc.start()
     try:
@@ -169,7 +192,9 @@ def test_one_huge_line_costs_little_memory(tmp_path, tokenizer):
     finally:
         tracemalloc.stop()
     assert [s.sample_id for s in data.samples] == [1]
-    assert data.bad_records[0]["where"] == f"{path}:1" and "longer than 4,194,304 bytes" in data.bad_records[0]["reason"]
+    assert (
+        data.bad_records[0]["where"] == f"{path}:1" and "longer than 4,194,304 bytes" in data.bad_records[0]["reason"]
+    )
     assert peak < 16 << 20, peak
 
 
@@ -178,11 +203,18 @@ def test_a_template_that_leaves_out_a_field_makes_a_bad_record(tmp_path):
     bad record; never a sample that quietly lacks it."""
     tokenizer = build_tokenizer()  # tests/tiny.py's template renders content only
     path = tmp_path / "r.jsonl"
-    dropped = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "reasoning_content": "think", "content": "a"}]}
+    dropped = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "reasoning_content": "think", "content": "a"},
+        ]
+    }
     kept = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     path.write_text(json.dumps(dropped) + "\n" + json.dumps(kept) + "\n")
-    reason = ("the chat template leaves out what the data has (the template does not render the reasoning of "
-              "assistant turn 1): remove it from the record, or skip such records with --on-bad-record skip")
+    reason = (
+        "the chat template leaves out what the data has (the template does not render the reasoning of "
+        "assistant turn 1): remove it from the record, or skip such records with --on-bad-record skip"
+    )
     with pytest.raises(DFlashCacheError) as error:
         load_all([path], tokenizer, 64)
     assert str(error.value) == f"{path}:1: {reason}"

@@ -29,26 +29,41 @@ def test_messages_and_sharegpt_forms(tmp_path):
     path = write_lines(
         tmp_path / "mixed.jsonl",
         [
-            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                          {"role": "assistant", "content": "a"}]},
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
             "",
-            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"},
-                               {"from": "function", "value": "f"}, {"from": "chatgpt", "value": "r2"}],
-             "id": "extra keys are ignored"},
+            {
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "r"},
+                    {"from": "function", "value": "f"},
+                    {"from": "chatgpt", "value": "r2"},
+                ],
+                "id": "extra keys are ignored",
+            },
         ],
     )
     first, second = list(read_records(path))
     assert isinstance(first, Conversation) and first.where == f"{path}:1"
-    assert first.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                              {"role": "assistant", "content": "a"}]
+    assert first.messages == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
     assert second.where == f"{path}:3"  # the blank line 2 is skipped, line numbers are the file's
     assert [m["role"] for m in second.messages] == ["user", "assistant", "tool", "assistant"]
     assert [m["content"] for m in second.messages] == ["q", "r", "f", "r2"]
 
 
 def test_pretokenized_jsonl(tmp_path):
-    path = write_lines(tmp_path / "tok.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, True]},
-                                               {"input_ids": [8]}])
+    path = write_lines(
+        tmp_path / "tok.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, True]}, {"input_ids": [8]}]
+    )
     a, b = list(read_records(path))
     assert isinstance(a, TokenRecord)
     assert a.input_ids.tolist() == [5, 6, 7] and a.loss_mask.tolist() == [False, True, True]
@@ -92,20 +107,31 @@ def test_parquet_without_mask_and_integer_mask(tmp_path):
         ('{"messages": [{"role": "user", "content": "hi"}]}', r":2: the conversation has no assistant turn"),
         ('{"messages": []}', r":2: 'messages' must be a non-empty list"),
         ('{"messages": [{"role": "assistant", "content": null}]}', r":2: messages\[0\].content must be a string"),
-        ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "a"}]}',
-         r":2: messages\[0\].content\[0\] is a 'image_url' part; only text parts can be trained on"),
-        ('{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}',
-         r":2: messages\[0\].tool_calls\[0\] arguments is not valid JSON"),
-        ('{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"arguments": "{}"}}]}]}',
-         r":2: messages\[0\].tool_calls\[0\] needs a function name"),
-        ('{"messages": [{"role": "assistant", "content": "a", "reasoning_content": "x", "thinking": "y"}]}',
-         r":2: messages\[0\] has different reasoning in reasoning_content and thinking"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "a"}]}',
+            r":2: messages\[0\].content\[0\] is a 'image_url' part; only text parts can be trained on",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}',
+            r":2: messages\[0\].tool_calls\[0\] arguments is not valid JSON",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"function": {"arguments": "{}"}}]}]}',
+            r":2: messages\[0\].tool_calls\[0\] needs a function name",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": "a", "reasoning_content": "x", "thinking": "y"}]}',
+            r":2: messages\[0\] has different reasoning in reasoning_content and thinking",
+        ),
         ('{"text": "hello"}', r":2: a record needs exactly one of .* \(found none\)"),
         ('{"input_ids": [1], "messages": []}', r":2: .*found messages and input_ids"),
         ('{"input_ids": [1, 2.5]}', r":2: 'input_ids' holds 2.5, not an integer"),
         ('{"input_ids": [1, true]}', r":2: 'input_ids' holds True"),
         ('{"input_ids": []}', r":2: 'input_ids' must be a non-empty list"),
-        ('{"input_ids": [99999999999999999999999]}', r":2: 'input_ids' holds 99999999999999999999999, an integer too large"),
+        (
+            '{"input_ids": [99999999999999999999999]}',
+            r":2: 'input_ids' holds 99999999999999999999999, an integer too large",
+        ),
         ('{"input_ids": [1, 2], "loss_mask": [1]}', r":2: 'loss_mask' has 1 entries but 'input_ids' has 2"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2]}', r":2: 'loss_mask' must be a list of 0/1"),
     ],
@@ -146,14 +172,26 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize(
     "table, message",
     [
-        (pa.table({"input_ids": pa.array([["a", "b"]])}), r": column 'input_ids' must be a list of integers, found list<[a-z]+: string>"),
+        (
+            pa.table({"input_ids": pa.array([["a", "b"]])}),
+            r": column 'input_ids' must be a list of integers, found list<[a-z]+: string>",
+        ),
         (pa.table({"input_ids": pa.array([1, 2])}), r": column 'input_ids' must be a list of integers, found int64"),
-        (pa.table({"input_ids": [[1]], "loss_mask": pa.array([[0.5]])}), r": column 'loss_mask' must be a list of integers or booleans, found list<[a-z]+: double>"),
+        (
+            pa.table({"input_ids": [[1]], "loss_mask": pa.array([[0.5]])}),
+            r": column 'loss_mask' must be a list of integers or booleans, found list<[a-z]+: double>",
+        ),
         (pa.table({"text": ["hi"]}), r": no 'input_ids' column \(columns: text\)"),
         (pa.table({"input_ids": pa.array([[1], None], pa.list_(pa.int64()))}), r" row 1: 'input_ids' is null"),
-        (pa.table({"input_ids": pa.array([[1], [2, None]], pa.list_(pa.int64()))}), r" row 1: 'input_ids' holds a null value"),
+        (
+            pa.table({"input_ids": pa.array([[1], [2, None]], pa.list_(pa.int64()))}),
+            r" row 1: 'input_ids' holds a null value",
+        ),
         (pa.table({"input_ids": pa.array([[1], []], pa.list_(pa.int64()))}), r" row 1: 'input_ids' is empty"),
-        (pa.table({"input_ids": [[1, 2]], "loss_mask": [[True]]}), r" row 0: 'loss_mask' has 1 entries but 'input_ids' has 2"),
+        (
+            pa.table({"input_ids": [[1, 2]], "loss_mask": [[True]]}),
+            r" row 0: 'loss_mask' has 1 entries but 'input_ids' has 2",
+        ),
     ],
 )
 def test_bad_parquet(tmp_path, table, message):
@@ -183,7 +221,9 @@ json_values = st.recursive(
 )
 role = st.sampled_from(["user", "assistant", "system", "tool", "wizard"]) | json_values
 message = st.fixed_dictionaries({"role": role, "content": st.text(max_size=8) | json_values})
-sharegpt_turn = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "function", "bot"]), "value": st.text(max_size=8)})
+sharegpt_turn = st.fixed_dictionaries(
+    {"from": st.sampled_from(["human", "gpt", "function", "bot"]), "value": st.text(max_size=8)}
+)
 token_id = st.integers(-5, 500) | st.integers() | st.floats() | st.booleans()
 record = (
     st.fixed_dictionaries({"messages": st.lists(message, max_size=3)})
@@ -192,7 +232,9 @@ record = (
         {"input_ids": st.lists(token_id, max_size=4)},
         optional={"loss_mask": st.lists(st.sampled_from([0, 1, 2, True, False, 0.5]), max_size=4)},
     )
-    | st.dictionaries(st.sampled_from(["messages", "conversations", "input_ids", "loss_mask", "x"]), json_values, max_size=3)
+    | st.dictionaries(
+        st.sampled_from(["messages", "conversations", "input_ids", "loss_mask", "x"]), json_values, max_size=3
+    )
 )
 line = record.map(json.dumps) | json_values.map(json.dumps) | st.text(max_size=20) | st.binary(max_size=20)
 
@@ -218,15 +260,36 @@ def test_message_fields(tmp_path):
     """Reasoning, tool calls (arguments as objects or JSON strings, content null or absent), tool
     results, text parts and a tools list reach the template; developer and ipython roles are mapped."""
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
-    path = write_lines(tmp_path / "fields.jsonl", [{"messages": [
-        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-        {"role": "user", "content": "2+3?"},
-        {"role": "assistant", "reasoning_content": "Add.", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2,"b": 3}'}}]},
-        {"role": "ipython", "tool_call_id": "c1", "name": "add", "content": "5"},
-        {"role": "assistant", "thinking": "Done.", "tool_calls": [{"name": "add", "arguments": {"a": 1}}]},
-        {"role": "assistant", "reasoning": "r", "content": "5"},
-    ], "tools": tools}])
+    path = write_lines(
+        tmp_path / "fields.jsonl",
+        [
+            {
+                "messages": [
+                    {
+                        "role": "developer",
+                        "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                    },
+                    {"role": "user", "content": "2+3?"},
+                    {
+                        "role": "assistant",
+                        "reasoning_content": "Add.",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "add", "arguments": '{"a": 2,"b": 3}'},
+                            }
+                        ],
+                    },
+                    {"role": "ipython", "tool_call_id": "c1", "name": "add", "content": "5"},
+                    {"role": "assistant", "thinking": "Done.", "tool_calls": [{"name": "add", "arguments": {"a": 1}}]},
+                    {"role": "assistant", "reasoning": "r", "content": "5"},
+                ],
+                "tools": tools,
+            }
+        ],
+    )
     (record,) = read_records(path)
     system, user, call, result, flat, last = record.messages
     assert system == {"role": "system", "content": "Be brief."}
@@ -244,12 +307,21 @@ def test_message_fields(tmp_path):
 def test_sharegpt_fields(tmp_path):
     """ShareGPT rows (LLaMA-Factory's form too: system, tools as JSON, function_call, observation)."""
     tools = [{"name": "add", "parameters": {}}]
-    path = write_lines(tmp_path / "sharegpt.jsonl", [{
-        "system": "Be brief.", "tools": json.dumps(tools),
-        "conversations": [{"from": "human", "value": "2+3?"},
-                          {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2}}'},
-                          {"from": "observation", "value": "5"},
-                          {"from": "gpt", "value": "5", "reasoning_content": "Added."}]}])
+    path = write_lines(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {
+                "system": "Be brief.",
+                "tools": json.dumps(tools),
+                "conversations": [
+                    {"from": "human", "value": "2+3?"},
+                    {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2}}'},
+                    {"from": "observation", "value": "5"},
+                    {"from": "gpt", "value": "5", "reasoning_content": "Added."},
+                ],
+            }
+        ],
+    )
     (record,) = read_records(path)
     assert [m["role"] for m in record.messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert record.messages[0]["content"] == "Be brief."
@@ -280,7 +352,9 @@ def test_a_pipe_as_data_is_named_as_such(tmp_path):
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    with pytest.raises(DFlashCacheError, match=r"data file .*pipe is a pipe \(a FIFO or <\(\.\.\.\)\), which can be read only once"):
+    with pytest.raises(
+        DFlashCacheError, match=r"data file .*pipe is a pipe \(a FIFO or <\(\.\.\.\)\), which can be read only once"
+    ):
         list(read_records(fifo))
     with pytest.raises(DFlashCacheError, match=r"is a directory"):
         list(read_records(tmp_path))

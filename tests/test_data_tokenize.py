@@ -29,14 +29,25 @@ THINKING_TEMPLATE = (
 EDGE_CASES = [
     # contents beginning or ending with the probe letters, an empty reply, tool turns
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XY are letters X"}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Y then X then Y"},
-     {"role": "user", "content": "more"}, {"role": "assistant", "content": ""}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add 2 and 3"},
-     {"role": "assistant", "content": "calling add"}, {"role": "tool", "content": "5"},
-     {"role": "assistant", "content": "The answer is 5."}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Y then X then Y"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": ""},
+    ],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": "calling add"},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5."},
+    ],
     # an assistant turn first, and two assistant turns in a row
-    [{"role": "assistant", "content": "hello, how are you?"}, {"role": "assistant", "content": "still there?"},
-     {"role": "user", "content": "yes"}],
+    [
+        {"role": "assistant", "content": "hello, how are you?"},
+        {"role": "assistant", "content": "still there?"},
+        {"role": "user", "content": "yes"},
+    ],
 ]
 
 
@@ -44,7 +55,10 @@ EDGE_CASES = [
 def llama_tokenizer():
     tok = build_tokenizer(chat_template=LLAMA_TEMPLATE)
     tok.add_special_tokens(
-        {"bos_token": "<|begin_of_text|>", "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        {
+            "bos_token": "<|begin_of_text|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        }
     )
     return tok
 
@@ -98,8 +112,12 @@ def test_exact_mask_positions(tokenizer):
     expected_ids, expected_mask = [], []
     for m in messages:
         assistant = m["role"] == "assistant"
-        for piece, masked in [(f"<|im_start|>{m['role']}\n", False), (m["content"], assistant),
-                              ("<|im_end|>", assistant), ("\n", False)]:
+        for piece, masked in [
+            (f"<|im_start|>{m['role']}\n", False),
+            (m["content"], assistant),
+            ("<|im_end|>", assistant),
+            ("\n", False),
+        ]:
             piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
             expected_ids += piece_ids
             expected_mask += [int(masked)] * len(piece_ids)
@@ -147,4 +165,8 @@ def test_renders_per_conversation_do_not_grow_with_turns(template):
         finally:
             tokenizer.apply_chat_template = original
         counts.append(calls[0])
-    assert counts == [3, 4, 4]  # the conversation, the probe, the first and last turns' prompts (one when they are the same)
+    assert counts == [
+        3,
+        4,
+        4,
+    ]  # the conversation, the probe, the first and last turns' prompts (one when they are the same)

@@ -14,8 +14,9 @@ needs_assets = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_fil
 @needs_assets
 def test_demo_runs_end_to_end(tmp_path):
     lines = []
-    options = DemoOptions(workdir=tmp_path / "demo", train_samples=12, steps=2, token_budget=1024, eval_prompts=2,
-                          max_new_tokens=8)
+    options = DemoOptions(
+        workdir=tmp_path / "demo", train_samples=12, steps=2, token_budget=1024, eval_prompts=2, max_new_tokens=8
+    )
     result = run_demo(options, echo=lines.append)
     assert (result.cache / "manifest.json").is_file() and result.extracted.samples == 12
     assert result.checkpoint == result.run / "checkpoints" / "step-2"

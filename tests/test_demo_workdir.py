@@ -16,8 +16,9 @@ def test_a_workdir_of_other_files_is_refused_untouched(tmp_path):
     (workdir / "cache").mkdir()  # a demo's name beside the foreign file does not make it a demo's folder
     result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), "--assets", str(tmp_path / "no-assets")])
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
-    assert result.output.startswith(f"error: --workdir {workdir} holds files that are not a demo's (todo.txt); "
-                                    "choose a new or empty folder"), result.output
+    assert result.output.startswith(
+        f"error: --workdir {workdir} holds files that are not a demo's (todo.txt); choose a new or empty folder"
+    ), result.output
     assert sorted(p.name for p in workdir.iterdir()) == ["cache", "todo.txt"] and not any((workdir / "cache").iterdir())
 
 

@@ -32,8 +32,12 @@ def test_loading_a_preset_gives_a_copy():
 
 def test_a_preset_adapts_to_the_cache_and_says_so():
     config, notes = adapt_to_cache(
-        load_drafter_config("qwen3.6-27b"), target_hidden_size=64, vocab_size=384, mask_token_id=3,
-        layer_ids=[1, 4], num_target_layers=6,
+        load_drafter_config("qwen3.6-27b"),
+        target_hidden_size=64,
+        vocab_size=384,
+        mask_token_id=3,
+        layer_ids=[1, 4],
+        num_target_layers=6,
     )
     assert (config.hidden_size, config.target_hidden_size, config.vocab_size, config.mask_token_id) == (64, 64, 384, 3)
     assert (config.target_layer_ids, config.num_target_layers) == ([1, 4], 6)

@@ -75,9 +75,11 @@ def test_eager_regions_match_the_dense_reference_and_compile_nothing_after_two_b
         assert_same_gradients(model, dense, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.xfail(reason="Inductor's flex-attention lowering guards on whether there are fewer than 128 "
-                   "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not, and dynamo "
-                   "specialises a one-tile BlockMask: seen on an H200")
+@pytest.mark.xfail(
+    reason="Inductor's flex-attention lowering guards on whether there are fewer than 128 "
+    "queries (its decoding-kernel choice), FORCE_USE_FLEX_ATTENTION or not, and dynamo "
+    "specialises a one-tile BlockMask: seen on an H200"
+)
 def test_eager_regions_compile_nothing_for_a_later_batch_under_128_queries():
     """Known limitation (ARCHITECTURE.md): after bigger batches, one whose packed query rows (queries x
     the query heads of a key head) fit in one tile (here 12 blocks of 4 x 2 heads) compiles the decoder
@@ -128,7 +130,9 @@ def test_fused_kernel_equals_dense_reference_across_many_tiles(window, kv_heads)
     g = torch.Generator("cuda").manual_seed(3)
     q = torch.randn(layout.num_queries, 4, 16, device="cuda", generator=g)
     k, v = (torch.randn(layout.num_keys, kv_heads, 16, device="cuda", generator=g) for _ in range(2))
-    out = attend(*(pack_heads(t, kv_heads) for t in (q, k, v)), block_mask(layout, window, group=4 // kv_heads), 4 // kv_heads)
+    out = attend(
+        *(pack_heads(t, kv_heads) for t in (q, k, v)), block_mask(layout, window, group=4 // kv_heads), 4 // kv_heads
+    )
     as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     expected = reference_attention(as_batch(q), as_batch(k), as_batch(v), dense_mask(layout, window))[0].transpose(0, 1)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
@@ -146,9 +150,15 @@ def test_compiled_adamw_matches_torch_adamw_on_the_gpu():
     copies = [p.detach().clone() for p in model.parameters()]
     ours = build_optimizer(model, lr=1e-2, weight_decay=0.1)
     assert isinstance(ours, CompiledAdamW)
-    reference = torch.optim.AdamW([{"params": [c for c in copies if c.dim() >= 2], "weight_decay": 0.1},
-                                   {"params": [c for c in copies if c.dim() < 2], "weight_decay": 0.0}],
-                                  lr=1e-2, betas=(0.9, 0.95), fused=True)
+    reference = torch.optim.AdamW(
+        [
+            {"params": [c for c in copies if c.dim() >= 2], "weight_decay": 0.1},
+            {"params": [c for c in copies if c.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
     for step, (lengths, seed) in enumerate(BATCHES * 2):
         batch, anchors = gpu_batch(lengths, seed)
         model.zero_grad()

@@ -38,10 +38,14 @@ def tiny_config(**overrides) -> DrafterConfig:
 
 def random_head(seed: int = 0, hidden: int = HIDDEN, vocab: int = VOCAB) -> TargetHead:
     g = torch.Generator().manual_seed(seed)
-    return TargetHead(torch.randn(vocab, hidden, generator=g), torch.ones(hidden), torch.randn(vocab, hidden, generator=g) / 2)
+    return TargetHead(
+        torch.randn(vocab, hidden, generator=g), torch.ones(hidden), torch.randn(vocab, hidden, generator=g) / 2
+    )
 
 
-def random_batch(lengths: list[int], seed: int = 0, num_layers: int = 2, hidden: int = HIDDEN, mask_rate: float = 0.3) -> FeatureBatch:
+def random_batch(
+    lengths: list[int], seed: int = 0, num_layers: int = 2, hidden: int = HIDDEN, mask_rate: float = 0.3
+) -> FeatureBatch:
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

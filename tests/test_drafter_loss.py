@@ -141,8 +141,10 @@ def reference_loss(states, lm_head, inputs, loss, gamma=2.0, alpha=0.5, labels="
     return total / len(terms)
 
 
-@pytest.mark.parametrize("loss, labels", [("dflash", "target"), ("dflash", "tokens"), ("dpace", "target"),
-                                          ("dpace", "tokens"), ("topk", "target")])
+@pytest.mark.parametrize(
+    "loss, labels",
+    [("dflash", "target"), ("dflash", "tokens"), ("dpace", "target"), ("dpace", "tokens"), ("topk", "target")],
+)
 def test_each_loss_and_its_gradient_match_a_float64_reference(loss, labels, monkeypatch):
     """Chunks of 5 rows (blocks have 4 slots scored) split blocks, so D-PACE's block-wide weights
     are applied after every chunk has run."""

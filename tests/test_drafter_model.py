@@ -123,7 +123,6 @@ def test_compiled_mode_matches_eager_and_does_not_recompile():
         compiled(batch, anchors)
 
 
-
 @pytest.mark.parametrize("loss", ["dpace", "topk"])
 def test_compiled_mode_matches_eager_for_each_loss_with_gradients(loss):
     """The padded inputs carry the top-K labels, and D-PACE's weights (computed after the head's chunks)
@@ -139,7 +138,8 @@ def test_compiled_mode_matches_eager_for_each_loss_with_gradients(loss):
     batch.topk_ids = torch.rand(batch.num_tokens, vocab, generator=g).argsort(1)[:, :3]
     batch.topk_logprobs = torch.randn(batch.num_tokens, 3, generator=g).log_softmax(1)
     got = DrafterRunner(model, compiled=True, token_budget=96, anchor_budget=24, backend=aot_eager)(
-        batch, anchors, gamma=4.0, loss=loss)
+        batch, anchors, gamma=4.0, loss=loss
+    )
     want = DrafterRunner(reference)(batch, anchors, gamma=4.0, loss=loss)
     got.loss.backward()
     want.loss.backward()

@@ -133,6 +133,9 @@ def test_flex_kernel_does_not_tie_the_query_count_to_its_padding():
 def test_flex_kernel_compiles_nothing_for_a_batch_of_one_query_tile():
     """Known limitation (ARCHITECTURE.md): after bigger batches, one whose queries fit in one tile
     (here 3 blocks of 4 in a 16-query tile; 8 blocks of 16 at the default tile) compiles again."""
-    per_call = flex_compiles(distinct_length_plans(8, 400, seed=2), windows=(None,),
-                             trim=lambda k, anchors: anchors if k < 6 else anchors[:3])
+    per_call = flex_compiles(
+        distinct_length_plans(8, 400, seed=2),
+        windows=(None,),
+        trim=lambda k, anchors: anchors if k < 6 else anchors[:3],
+    )
     assert [k for k, c in enumerate(per_call[1:], 1) if c.compiled_anything] == [], [c.reasons for c in per_call[1:]]

@@ -104,7 +104,11 @@ def test_head_loss_chunks_are_whole_tiles_and_never_a_single_row():
 
     g = torch.Generator().manual_seed(0)
     states = torch.randn(7, 8, generator=g, requires_grad=True)
-    weight, labels, row_weights = torch.randn(11, 8, generator=g), torch.randint(0, 11, (7,), generator=g), torch.rand(7, generator=g)
+    weight, labels, row_weights = (
+        torch.randn(11, 8, generator=g),
+        torch.randint(0, 11, (7,), generator=g),
+        torch.rand(7, generator=g),
+    )
     sizes = []
 
     def recording(s, *args):

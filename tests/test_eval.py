@@ -38,9 +38,19 @@ def random_drafter(directory, target_dir, seed=0):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), block_size=BLOCK,
-                           target_layer_ids=LAYERS, mask_token_id=tokenizer.mask_token_id, num_target_layers=6)
+    config = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tokenizer),
+        block_size=BLOCK,
+        target_layer_ids=LAYERS,
+        mask_token_id=tokenizer.mask_token_id,
+        num_target_layers=6,
+    )
     torch.manual_seed(seed)
     save_drafter(DFlashDrafter(config), directory)
     return directory
@@ -56,15 +66,17 @@ def test_greedy_loop_matches_hf_generate(target_dir, conversations):
     stops = speculative.stop_ids(target)
     for prompt in load_prompts([conversations], target.tokenizer, 2):
         ours = greedy_generate(target.model, prompt, 8, stops).tokens
-        theirs = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
-                                       eos_token_id=sorted(stops), pad_token_id=0)[0, len(prompt):]
+        theirs = target.model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=sorted(stops), pad_token_id=0
+        )[0, len(prompt) :]
         assert ours == theirs.tolist()
 
 
 def test_random_drafter_decodes_exactly_with_tau_near_one(target_dir, conversations, tmp_path):
     drafter = random_drafter(tmp_path / "drafter", target_dir)
-    report = evaluate_speculative(SpeculativeOptions(drafter=drafter, target=target_dir, data=[conversations],
-                                                     max_new_tokens=8, num_prompts=1))
+    report = evaluate_speculative(
+        SpeculativeOptions(drafter=drafter, target=target_dir, data=[conversations], max_new_tokens=8, num_prompts=1)
+    )
     assert report.prompts == 1 and report.new_tokens > 2
     assert 1.0 <= report.tau < 1.3 and len(report.acceptance) == BLOCK - 1
     assert report.tokens_per_forward == pytest.approx(report.new_tokens / report.target_forwards)
@@ -87,7 +99,7 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
     def oracle(tokens, context):
         assert context.shape == (len(tokens) - 1, len(LAYERS) * 64) and tokens[: len(prompt)].tolist() == prompt
         done = len(tokens) - len(prompt)  # new tokens so far, the newest one included
-        assert tokens[len(prompt):].tolist() == greedy[:done]
+        assert tokens[len(prompt) :].tolist() == greedy[:done]
         truth = torch.tensor((greedy[done:] + [0] * BLOCK)[: BLOCK - 1])
         if wrong_slot is not None:
             truth[wrong_slot - 1] = (truth[wrong_slot - 1] + 1) % fp32_target.vocab_size
@@ -104,15 +116,20 @@ def test_drafts_are_accepted_up_to_the_first_miss(fp32_target, conversations, wr
     torch.testing.assert_close(context.float(), fresh.float(), atol=1e-5, rtol=2**-7)
 
 
-def test_eval_verifies_on_the_kv_cache_where_it_can_be_cut_back_and_warns_of_nothing(target_dir, conversations, tmp_path):
+def test_eval_verifies_on_the_kv_cache_where_it_can_be_cut_back_and_warns_of_nothing(
+    target_dir, conversations, tmp_path
+):
     """Dense attention: KV-cached verification and a speed-up printed; hybrid linear attention: the
     whole sequence recomputed and no speed-up claimed. Neither run raises a warning (a deprecated
     transformers argument would)."""
     drafter = random_drafter(tmp_path / "drafter", target_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        report = evaluate_speculative(SpeculativeOptions(drafter=drafter, target=target_dir, data=[conversations],
-                                                         max_new_tokens=8, num_prompts=2))
+        report = evaluate_speculative(
+            SpeculativeOptions(
+                drafter=drafter, target=target_dir, data=[conversations], max_new_tokens=8, num_prompts=2
+            )
+        )
     hybrid = "linear_attention" in (load_target(target_dir, "cpu").config.layer_types or [])
     assert report.kv_cached is not hybrid
     timing = report.lines()[4]
@@ -124,16 +141,32 @@ def test_a_prompt_only_record_is_the_prompt_its_answered_form_gives(fp32_target,
     """Each conversation cut before its first assistant turn gives the prompt the whole one gives
     (its rendering up to the generation prompt); --limit counts records."""
     records = [json.loads(line) for line in conversations.read_text().splitlines()]
-    cut = [{"messages": r["messages"][:next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}
-           for r in records]
+    cut = [
+        {"messages": r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}
+        for r in records
+    ]
     prompt_only = tmp_path / "prompts.jsonl"
     prompt_only.write_text("".join(json.dumps(r) + "\n" for r in cut))
     tokenizer = fp32_target.tokenizer
     assert load_prompts([prompt_only], tokenizer, 5) == load_prompts([conversations], tokenizer, 5)
     assert len(load_prompts([prompt_only], tokenizer)) == len(records)
     drafter = random_drafter(tmp_path / "drafter", fp32_target.path)
-    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), "--target", str(fp32_target.path),
-                                       "--data", str(prompt_only), "--limit", "2", "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--drafter",
+            str(drafter),
+            "--target",
+            str(fp32_target.path),
+            "--data",
+            str(prompt_only),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "2 prompts, " in result.output and "eval: 2/2 prompts" in result.stderr
 
@@ -148,9 +181,14 @@ def test_a_wrong_output_fails_loudly(qwen3_target_dir, conversations, tmp_path, 
         return generation
 
     monkeypatch.setattr(speculative, "speculative_generate", off_by_one)
-    with pytest.raises(DFlashCacheError, match="prompt 0: speculative decoding differs from greedy decoding at new token 3"):
-        evaluate_speculative(SpeculativeOptions(drafter=drafter, target=qwen3_target_dir, data=[conversations],
-                                                max_new_tokens=8, num_prompts=1))
+    with pytest.raises(
+        DFlashCacheError, match="prompt 0: speculative decoding differs from greedy decoding at new token 3"
+    ):
+        evaluate_speculative(
+            SpeculativeOptions(
+                drafter=drafter, target=qwen3_target_dir, data=[conversations], max_new_tokens=8, num_prompts=1
+            )
+        )
 
 
 def test_drafter_folders_checkpoint_run_and_export(qwen3_target_dir, tmp_path):
@@ -175,8 +213,9 @@ def test_offline_tau_equals_the_trainers_held_out_tau(tmp_path):
     cache = make_cache(tmp_path / "cache")
     train(tiny_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1), echo=lambda line: None)
     logged = [r for r in metrics(tmp_path / "run") if "eval_tau" in r][-1]
-    report = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache], eval_fraction=0.3,
-                                             token_budget=128, max_anchors=8))
+    report = evaluate_offline(
+        OfflineOptions(drafter=tmp_path / "run", caches=[cache], eval_fraction=0.3, token_budget=128, max_anchors=8)
+    )
     assert report.tau == pytest.approx(logged["eval_tau"], rel=1e-12)
     assert report.loss == pytest.approx(logged["eval_loss"], rel=1e-6)
     assert report.blocks > 0 and len(report.accuracy) == 3
@@ -207,30 +246,61 @@ def test_offline_loss_is_the_runs_own_loss(tmp_path, loss):
 def test_cli(qwen3_target_dir, conversations, tmp_path):
     drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
     runner = CliRunner()
-    result = runner.invoke(main, ["eval", "--drafter", str(drafter), "--target", str(qwen3_target_dir),
-                                  "--data", str(conversations), "--num-prompts", "1", "--max-new-tokens", "6"])
+    result = runner.invoke(
+        main,
+        [
+            "eval",
+            "--drafter",
+            str(drafter),
+            "--target",
+            str(qwen3_target_dir),
+            "--data",
+            str(conversations),
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "6",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "every output equal to the target's greedy output" in result.output and "tau" in result.output
     result = runner.invoke(main, ["eval", "--drafter", str(drafter)])
     assert result.exit_code == 2 and "either --target" in result.output
-    result = runner.invoke(main, ["eval", "--drafter", str(tmp_path), "--target", str(qwen3_target_dir),
-                                  "--data", str(conversations)])
+    result = runner.invoke(
+        main, ["eval", "--drafter", str(tmp_path), "--target", str(qwen3_target_dir), "--data", str(conversations)]
+    )
     assert result.exit_code == 1 and result.output.count("\n") == 1 and "holds no drafter" in result.output
 
 
-@pytest.mark.parametrize("options, message, exit_code", [
-    (["--num-prompts", "-1"], "Invalid value for '--num-prompts' / '--limit': -1 is not in the range x>=0", 2),
-    (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda or cuda:N)", 1),
-    (["--device", "cuda:7"], "--device cuda:7: there is no such GPU (this machine shows", 1),
-])
+@pytest.mark.parametrize(
+    "options, message, exit_code",
+    [
+        (["--num-prompts", "-1"], "Invalid value for '--num-prompts' / '--limit': -1 is not in the range x>=0", 2),
+        (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda or cuda:N)", 1),
+        (["--device", "cuda:7"], "--device cuda:7: there is no such GPU (this machine shows", 1),
+    ],
+)
 def test_eval_target_options_out_of_range(qwen3_target_dir, conversations, tmp_path, options, message, exit_code):
     """Each was accepted (a negative --num-prompts as 'every one') or ended in a bare AssertionError
     ('Torch not compiled with CUDA enabled') after the target was loaded."""
     if "cuda:7" in options and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a GPU 7")
     drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
-    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), "--target", str(qwen3_target_dir),
-                                       "--data", str(conversations), "--max-new-tokens", "2", *options])
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--drafter",
+            str(drafter),
+            "--target",
+            str(qwen3_target_dir),
+            "--data",
+            str(conversations),
+            "--max-new-tokens",
+            "2",
+            *options,
+        ],
+    )
     assert result.exit_code == exit_code and result.stderr.count("\n") == 1, result.output
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
 
@@ -239,6 +309,8 @@ def test_eval_target_options_out_of_range(qwen3_target_dir, conversations, tmp_p
 def test_eval_cache_refuses_an_eval_fraction_out_of_range(tmp_path, fraction):
     """`eval --cache --eval-fraction 2` scored every sample and called it a held-out split."""
     cache = make_cache(tmp_path / "cache")
-    result = CliRunner().invoke(main, ["eval", "--drafter", str(tmp_path / "never-read"), "--cache", str(cache), "--eval-fraction", fraction])
+    result = CliRunner().invoke(
+        main, ["eval", "--drafter", str(tmp_path / "never-read"), "--cache", str(cache), "--eval-fraction", fraction]
+    )
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert f"Invalid value for '--eval-fraction': {float(fraction)} is not in the range 0<=x<1" in result.stderr

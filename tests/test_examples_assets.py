@@ -119,8 +119,9 @@ def test_regenerated_training_answers_are_the_targets_own(tokenizer):
     assert sorted(by_line) == list(range(1, len(train) + 1))
     for line, original in enumerate(train, start=1):
         new = by_line[line]["messages"]
-        assert [(m["role"], m["content"]) for m in new if m["role"] != "assistant"] == \
-               [(m["role"], m["content"]) for m in original["messages"] if m["role"] != "assistant"]
+        assert [(m["role"], m["content"]) for m in new if m["role"] != "assistant"] == [
+            (m["role"], m["content"]) for m in original["messages"] if m["role"] != "assistant"
+        ]
     model = AutoModelForCausalLM.from_pretrained(ASSETS / "target", dtype="auto").eval()
     for line in (1, 2, 49):  # 49 has three assistant turns, each asked with the new answers before it
         messages = by_line[line]["messages"]

@@ -32,7 +32,9 @@ def reference_model_class():
         return importlib.import_module("dflash.model").DFlashDraftModel
     except ModuleNotFoundError:
         pass
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", REFERENCE], capture_output=True, text=True)
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", REFERENCE], capture_output=True, text=True
+    )
     if pip.returncode != 0:
         pytest.skip(f"cannot install the reference package {REFERENCE}: {pip.stderr.strip().splitlines()[-1:]}")
     importlib.invalidate_caches()
@@ -60,10 +62,20 @@ def exported(target, tmp_path_factory):
         root / "head.safetensors",
     )
     config = DrafterConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=2048, block_size=BLOCK,
-        target_layer_ids=[1, 4], mask_token_id=tokenizer.mask_token_id, num_target_layers=6,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        block_size=BLOCK,
+        target_layer_ids=[1, 4],
+        mask_token_id=tokenizer.mask_token_id,
+        num_target_layers=6,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
     )
     torch.manual_seed(0)
     ours = DFlashDrafter(config, TargetHead.load(root / "head.safetensors"), tile=16)
@@ -73,7 +85,9 @@ def exported(target, tmp_path_factory):
                 p.uniform_(0.5, 1.5)
     save_drafter(ours, root / "checkpoint")
     export_checkpoint(root / "checkpoint", root / "export", dtype="float32")
-    reference, info = reference_model_class().from_pretrained(root / "export", output_loading_info=True, dtype=torch.float32)
+    reference, info = reference_model_class().from_pretrained(
+        root / "export", output_loading_info=True, dtype=torch.float32
+    )
     return ours, reference.eval(), info, root
 
 
@@ -114,7 +128,10 @@ def test_reference_speculative_generation_reproduces_greedy_output(exported, tar
     _, reference, _, _ = exported
     model, tokenizer = target
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello, how are you?"}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        [{"role": "user", "content": "hello, how are you?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
     )["input_ids"]
     new_tokens = 12  # prompt and output exceed the window of 8: the sliding layer's cache is trimmed too
     drafted = reference.spec_generate(model, prompt, max_new_tokens=new_tokens, stop_token_ids=None)
@@ -150,20 +167,27 @@ def test_export_into_a_folder_that_holds_something_else_is_refused(tmp_path):
     before = {p.name: p.read_bytes() for p in cache.iterdir() if p.is_file()}
     result = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(cache)])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
-    assert f"--out {cache} holds files that are not an export's (manifest.json, shards); choose a new or empty folder" in result.stderr
+    assert (
+        f"--out {cache} holds files that are not an export's (manifest.json, shards); choose a new or empty folder"
+        in result.stderr
+    )
     assert {p.name: p.read_bytes() for p in cache.iterdir() if p.is_file()} == before
 
     first = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e")])
     assert first.exit_code == 0 and "replacing" not in first.output, first.output
-    again = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e"), "--dtype", "float32"])
+    again = CliRunner().invoke(
+        main, ["export", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "e"), "--dtype", "float32"]
+    )
     assert again.exit_code == 0 and "replacing the export that was there" in again.output, again.output
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "e" / "model.safetensors").values())
 
 
 def test_a_checkpoint_path_that_does_not_exist_is_named_as_such(tmp_path):
     """It was "... is not a drafter checkpoint (it needs drafter.safetensors ...)" for a typo."""
-    for command in (["export", str(tmp_path / "runn"), "--out", str(tmp_path / "e")],
-                    ["eval", "--drafter", str(tmp_path / "runn"), "--cache", str(tmp_path)]):
+    for command in (
+        ["export", str(tmp_path / "runn"), "--out", str(tmp_path / "e")],
+        ["eval", "--drafter", str(tmp_path / "runn"), "--cache", str(tmp_path)],
+    ):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
         assert f"error: {tmp_path / 'runn'} does not exist" in result.stderr, result.stderr

@@ -20,7 +20,9 @@ LAYERS = [1, 4]
 
 
 def run_extract(target, data, out, **kw):
-    opts = ExtractOptions(target=target, data=[data], out=out, layers=LAYERS, token_budget=kw.pop("token_budget", 300), **kw)
+    opts = ExtractOptions(
+        target=target, data=[data], out=out, layers=LAYERS, token_budget=kw.pop("token_budget", 300), **kw
+    )
     return extract(opts)
 
 
@@ -86,13 +88,32 @@ def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_
 
 
 def cli(*args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "dflash_cache_cli.main", *map(str, args)], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_cache_cli.main", *map(str, args)],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def extract_args(target, data, out):
-    return ["extract", "--target", target, "--data", data, "--out", out, "--layers", ",".join(map(str, LAYERS)),
-            "--token-budget", 300, "--shard-size", 0.02]
+    return [
+        "extract",
+        "--target",
+        target,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--token-budget",
+        300,
+        "--shard-size",
+        0.02,
+    ]
 
 
 def extract_killed_at(target, data, out, kill_at: str) -> None:
@@ -111,7 +132,9 @@ def assert_same_cache(a: Path, b: Path):
     for sid in ca:
         x, y = ca[sid], cb[sid]
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
-        same = torch.equal(x.target_ids, y.target_ids) and torch.equal(x.hidden.view(torch.int16), y.hidden.view(torch.int16))
+        same = torch.equal(x.target_ids, y.target_ids) and torch.equal(
+            x.hidden.view(torch.int16), y.hidden.view(torch.int16)
+        )
         assert same, describe_difference(sid, x, y)
     verify_cache(cb)
 
@@ -122,10 +145,12 @@ def describe_difference(sid: int, x, y) -> str:
     differ = x.hidden.view(torch.int16) != y.hidden.view(torch.int16)
     tokens = differ.any(-1).nonzero().flatten().tolist()
     gap = float((x.hidden.float() - y.hidden.float()).abs().max())
-    return (f"sample {sid} ({len(x.input_ids)} tokens): target_ids differ at {flips[:8]} "
-            f"({[(int(x.target_ids[i]), int(y.target_ids[i])) for i in flips[:3]]}); {int(differ.sum())} of "
-            f"{differ.numel()} hidden values differ, from token {tokens[:1]}, by up to {gap:.3g} "
-            f"(values up to {float(x.hidden.float().abs().max()):.3g})")
+    return (
+        f"sample {sid} ({len(x.input_ids)} tokens): target_ids differ at {flips[:8]} "
+        f"({[(int(x.target_ids[i]), int(y.target_ids[i])) for i in flips[:3]]}); {int(differ.sum())} of "
+        f"{differ.numel()} hidden values differ, from token {tokens[:1]}, by up to {gap:.3g} "
+        f"(values up to {float(x.hidden.float().abs().max()):.3g})"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +165,10 @@ def crash_setup(tmp_path_factory):
     return target, data, reference
 
 
-@pytest.mark.parametrize("kill_at", ["extract.forward:3", "extract.compress:7", "shard.before_rename:2",
-                                     "shard.before_journal:1", "manifest.write:1"])
+@pytest.mark.parametrize(
+    "kill_at",
+    ["extract.forward:3", "extract.compress:7", "shard.before_rename:2", "shard.before_journal:1", "manifest.write:1"],
+)
 def test_sigkill_then_resume_equals_uninterrupted(crash_setup, tmp_path, kill_at):
     target, data, reference = crash_setup
     out = tmp_path / "cache"
@@ -158,12 +185,17 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
     extract_killed_at(target, data, out, "shard.committed:3")
     done_before = sum(1 for p in (out / "shards").iterdir())
     assert done_before >= 3
-    ranks = [cli(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}) for r in range(2)]
+    ranks = [
+        cli(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
+        for r in range(2)
+    ]
     for p in ranks:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         # stderr is a pipe, not a terminal: plain progress lines instead of tqdm's (which shows none there)
-        assert re.search(r"^extract: [\d,]+/[\d,]+ samples, [\d,]+ tokens/s, [\d.,]+ [MG]B written, .* ETA ", err, re.M), err
+        assert re.search(
+            r"^extract: [\d,]+/[\d,]+ samples, [\d,]+ tokens/s, [\d.,]+ [MG]B written, .* ETA ", err, re.M
+        ), err
     assert {p.name.split("-")[0] for p in (out / "shards").iterdir()} == {"r0", "r1"}
     assert_same_cache(reference, out)
 
@@ -187,9 +219,11 @@ def test_the_summary_after_a_resume_gives_the_caches_totals_and_this_runs_share(
     totals = json.loads((out / "manifest.json").read_text())["totals"]
     assert totals["samples"] == 16 and before_samples < 16
     line = next(line for line in result.output.splitlines() if line.startswith("done: "))
-    assert line.startswith(f"done: {totals['samples']:,} samples ({totals['samples'] - before_samples:,} this run), "
-                           f"{totals['tokens']:,} tokens ({totals['tokens'] - before_tokens:,} this run), "
-                           f"{totals['bytes'] / totals['tokens']:,.0f} bytes/token, "), line
+    assert line.startswith(
+        f"done: {totals['samples']:,} samples ({totals['samples'] - before_samples:,} this run), "
+        f"{totals['tokens']:,} tokens ({totals['tokens'] - before_tokens:,} this run), "
+        f"{totals['bytes'] / totals['tokens']:,.0f} bytes/token, "
+    ), line
 
 
 def test_a_complete_cache_reruns_without_loading_the_target(qwen3_target_dir, conversations, tmp_path, monkeypatch):
@@ -208,16 +242,22 @@ def test_a_complete_cache_reruns_without_loading_the_target(qwen3_target_dir, co
     assert (out / "manifest.json").read_bytes() == manifest
 
 
-def test_the_cpu_takes_a_token_budget_it_can_run_and_reports_progress_row_by_row(qwen3_target_dir, tmp_path, monkeypatch):
+def test_the_cpu_takes_a_token_budget_it_can_run_and_reports_progress_row_by_row(
+    qwen3_target_dir, tmp_path, monkeypatch
+):
     """No --token-budget on the CPU: 4,096 tokens per forward (not a GPU's 49,152, which put a
     small dataset in one row and showed no progress until the end): rows of at most 4,096 tokens,
     each reporting its samples as it is written."""
     data = write_conversations(tmp_path / "many.jsonl", count=160)
     reports, rows = [], []
     real = TargetRunner.run_batch
-    monkeypatch.setattr(TargetRunner, "run_batch", lambda self, fb, *a: rows.append(fb.input_ids.numel()) or real(self, fb, *a))
-    summary = extract(ExtractOptions(target=qwen3_target_dir, data=[data], out=tmp_path / "cache", layers=LAYERS),
-                      on_progress=lambda p: p.samples and reports.append(p.samples))
+    monkeypatch.setattr(
+        TargetRunner, "run_batch", lambda self, fb, *a: rows.append(fb.input_ids.numel()) or real(self, fb, *a)
+    )
+    summary = extract(
+        ExtractOptions(target=qwen3_target_dir, data=[data], out=tmp_path / "cache", layers=LAYERS),
+        on_progress=lambda p: p.samples and reports.append(p.samples),
+    )
     assert summary.manifest["spec"]["token_budget"] == 4096
     assert max(rows) == 4096 and len(rows) > 2 and summary.tokens > 2 * 4096  # the warm-up row included
     assert sum(reports) == summary.samples == 160

@@ -28,7 +28,9 @@ LAYERS = [1, 4]
 def _samples(vocab: int, count: int = 40) -> dict[int, Sample]:
     rng = np.random.default_rng(0)
     lengths = rng.integers(8, 300, count)
-    return {i: Sample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(lengths)}
+    return {
+        i: Sample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=bool)) for i, n in enumerate(lengths)
+    }
 
 
 @pytest.mark.parametrize("layout", [PackedLayout(900), BucketLayout(900, 300)], ids=["packed", "padded"])
@@ -37,12 +39,38 @@ def test_async_extraction_equals_synchronous_runner(target_dir, tmp_path, codec,
     target = load_target(target_dir, DEVICE, attention=layout.attention)
     samples = _samples(target.vocab_size)
     batches = layout.plan(list(samples), [len(s.input_ids) for s in samples.values()])
-    spec = {"target": {"config_hash": target.config_hash, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
-                       "vocab_size": target.vocab_size, "model_type": target.config.model_type, "name": "tiny"},
-            "layer_ids": LAYERS, "codec": codec, "hidden_dtype": "bfloat16", "tokenizer_hash": "", "data_hash": "",
-            "max_length": 8192, "topk": 2}
-    job = RankJob(root=tmp_path / "cache", target_path=target_dir, device=DEVICE, rank=0, spec=spec, layout=layout, batches=batches,
-                  samples=samples, done=set(), first_shard_index=0, compress_threads=3, staging_slots=2, queue_depth=2)
+    spec = {
+        "target": {
+            "config_hash": target.config_hash,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "model_type": target.config.model_type,
+            "name": "tiny",
+        },
+        "layer_ids": LAYERS,
+        "codec": codec,
+        "hidden_dtype": "bfloat16",
+        "tokenizer_hash": "",
+        "data_hash": "",
+        "max_length": 8192,
+        "topk": 2,
+    }
+    job = RankJob(
+        root=tmp_path / "cache",
+        target_path=target_dir,
+        device=DEVICE,
+        rank=0,
+        spec=spec,
+        layout=layout,
+        batches=batches,
+        samples=samples,
+        done=set(),
+        first_shard_index=0,
+        compress_threads=3,
+        staging_slots=2,
+        queue_depth=2,
+    )
     run_rank(job, target=target)
     write_manifest(job.root, build_manifest(read_journals(job.root)))
     cache = open_cache(job.root)

@@ -18,17 +18,33 @@ pytestmark = pytest.mark.slow
 
 TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 # Qwen3.5 writes the call as XML, after closing the (empty) think block its generation prompt opened
-CALL = ("\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n"
-        "</function>\n</tool_call>")
+CALL = (
+    "\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
 GOOD = [
-    {"messages": [{"role": "user", "content": "What is 2 plus 3?"},
-                  {"role": "assistant", "reasoning_content": "The sum of two and three.", "content": "It is 5."}]},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add 2 and 3"},
-                  {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-                  {"role": "tool", "tool_call_id": "c1", "content": "5"},
-                  {"role": "assistant", "reasoning_content": "The tool said 5.", "content": "The answer is 5."}],
-     "tools": TOOL},
+    {
+        "messages": [
+            {"role": "user", "content": "What is 2 plus 3?"},
+            {"role": "assistant", "reasoning_content": "The sum of two and three.", "content": "It is 5."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "add 2 and 3"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+            {"role": "assistant", "reasoning_content": "The tool said 5.", "content": "The answer is 5."},
+        ],
+        "tools": TOOL,
+    },
 ]
 
 
@@ -55,8 +71,10 @@ def write(path, records):
 
 
 def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
-    data = write(tmp_path / "data.jsonl", [GOOD[0], "{not json", GOOD[1],
-                                           {"messages": [{"role": "user", "content": "no reply"}]}])
+    data = write(
+        tmp_path / "data.jsonl",
+        [GOOD[0], "{not json", GOOD[1], {"messages": [{"role": "user", "content": "no reply"}]}],
+    )
     out = tmp_path / "cache"
     args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
     code, _, err = cli(*args, "--out", out)
@@ -86,8 +104,11 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
 
     code, stdout, _ = cli("inspect", out, "--token-budget", 512)
     assert code == 0
-    assert (f"masked:       {sum(kinds.values()):,} tokens: content {kinds['content']:,}" in stdout
-            and f"reasoning {kinds['reasoning']:,}" in stdout and f"tool call {kinds['tool_call']:,}" in stdout)
+    assert (
+        f"masked:       {sum(kinds.values()):,} tokens: content {kinds['content']:,}" in stdout
+        and f"reasoning {kinds['reasoning']:,}" in stdout
+        and f"tool call {kinds['tool_call']:,}" in stdout
+    )
     assert "left out:     2 bad records, 0 with nothing to train on" in stdout
 
 
@@ -98,7 +119,19 @@ def count(tokenizer, *texts: str) -> int:
 def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
     data = write(tmp_path / "data.jsonl", GOOD[:1])
     out = tmp_path / "cache"
-    args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--out", out, "--token-budget", 512]
+    args = [
+        "extract",
+        "--target",
+        qwen3_5_target,
+        "--data",
+        data,
+        "--layers",
+        "1,4",
+        "--out",
+        out,
+        "--token-budget",
+        512,
+    ]
     code, _, err = cli(*args, "--chat-template-kwargs", "[1]")
     assert code == 2 and "--chat-template-kwargs" in err and "must be a JSON object" in err
     code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": false}')
@@ -110,16 +143,26 @@ def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
 
 def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
     """Qwen3.5 renders a past turn without the think block its generation prompt opens."""
-    past = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                         {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+    past = {
+        "messages": [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"},
+        ]
+    }
     data = write(tmp_path / "data.jsonl", [past, GOOD[0], past])
     args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
     code, _, err = cli(*args, "--out", tmp_path / "a")
     assert code == 0, err
     assert err.count("warning: the chat template does not render 2 conversations as the data has them") == 1
     assert f"e.g. {data}:1: the prompt of assistant turn 1 is not a prefix of the conversation" in err
-    assert open_cache(tmp_path / "a").manifest["extract"]["unfaithful"] == {"count": 2, "examples": [
-        f"{data}:1: the prompt of assistant turn 1 is not a prefix of the conversation",
-        f"{data}:3: the prompt of assistant turn 1 is not a prefix of the conversation"]}
+    assert open_cache(tmp_path / "a").manifest["extract"]["unfaithful"] == {
+        "count": 2,
+        "examples": [
+            f"{data}:1: the prompt of assistant turn 1 is not a prefix of the conversation",
+            f"{data}:3: the prompt of assistant turn 1 is not a prefix of the conversation",
+        ],
+    }
     code, _, err = cli(*args, "--out", tmp_path / "b", "--strict-template")
     assert code == 1 and "data.jsonl:1: the chat template does not render this conversation faithfully" in err

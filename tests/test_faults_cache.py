@@ -15,8 +15,14 @@ from tests.test_faults_cli import cli, one_line_error
 from tests.test_train_helpers import drafter_json
 from tests.tiny import build_target, write_conversations
 
-FILES = ["manifest.json", "journal/r0.jsonl", "shards/r0-00002.arrow", "target/head.safetensors",
-         "target/config.json", "target/tokenizer.json"]
+FILES = [
+    "manifest.json",
+    "journal/r0.jsonl",
+    "shards/r0-00002.arrow",
+    "target/head.safetensors",
+    "target/config.json",
+    "target/tokenizer.json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,9 @@ def setup(tmp_path_factory):
     target = build_target(root / "target", "qwen3")
     data = write_conversations(root / "data.jsonl", count=8, seed=7)
     run_extract(target, data, root / "cache", max_shard_bytes=20 << 10)
-    drafter = drafter_json(root / "drafter.json", hidden_size=64, vocab_size=384, target_layer_ids=[1, 4], mask_token_id=3)
+    drafter = drafter_json(
+        root / "drafter.json", hidden_size=64, vocab_size=384, target_layer_ids=[1, 4], mask_token_id=3
+    )
     return target, data, root / "cache", drafter
 
 
@@ -44,8 +52,25 @@ def damage(source, dest, name, how, seed=0):
 
 
 def train_args(cache, drafter, out):
-    return ["train", "--cache", cache, "--drafter", drafter, "--out", out, "--epochs", 1, "--token-budget", 512,
-            "--max-anchors", 4, "--eval-fraction", 0, "--workers", 1]
+    return [
+        "train",
+        "--cache",
+        cache,
+        "--drafter",
+        drafter,
+        "--out",
+        out,
+        "--epochs",
+        1,
+        "--token-budget",
+        512,
+        "--max-anchors",
+        4,
+        "--eval-fraction",
+        0,
+        "--workers",
+        1,
+    ]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -57,9 +82,17 @@ def test_verify_reports_any_flip_or_truncation_of_any_file(setup, tmp_path, name
         one_line_error(code, err, name.split("/")[0] if name.startswith("journal") else name)
 
 
-@pytest.mark.parametrize("name, how", [("manifest.json", "flip"), ("manifest.json", "truncate"),
-                                       ("target/head.safetensors", "flip"), ("target/head.safetensors", "truncate"),
-                                       ("target/config.json", "flip"), ("target/tokenizer.json", "empty")])
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("manifest.json", "flip"),
+        ("manifest.json", "truncate"),
+        ("target/head.safetensors", "flip"),
+        ("target/head.safetensors", "truncate"),
+        ("target/config.json", "flip"),
+        ("target/tokenizer.json", "empty"),
+    ],
+)
 def test_train_refuses_a_damaged_manifest_or_target_file_before_starting(setup, tmp_path, name, how):
     _, _, cache, drafter = setup
     code, err = cli(*train_args(damage(cache, tmp_path / "cache", name, how), drafter, tmp_path / "run"))
@@ -69,7 +102,9 @@ def test_train_refuses_a_damaged_manifest_or_target_file_before_starting(setup, 
 
 def test_train_stops_on_a_damaged_shard_naming_it(setup, tmp_path):
     _, _, cache, drafter = setup
-    code, err = cli(*train_args(damage(cache, tmp_path / "cut", "shards/r0-00002.arrow", "truncate"), drafter, tmp_path / "a"))
+    code, err = cli(
+        *train_args(damage(cache, tmp_path / "cut", "shards/r0-00002.arrow", "truncate"), drafter, tmp_path / "a")
+    )
     one_line_error(code, err, "r0-00002.arrow")
     damaged = shutil.copytree(cache, tmp_path / "flipped")
     shard = damaged / "shards" / "r0-00002.arrow"
@@ -82,9 +117,15 @@ def test_train_stops_on_a_damaged_shard_naming_it(setup, tmp_path):
     one_line_error(code, err, "r0-00002.arrow", "sha256 does not match")  # the shard's hash, before any row's checksum
 
 
-@pytest.mark.parametrize("name, message", [("manifest.json", "the cache is incomplete"),
-                                           ("shards/r0-00002.arrow", "shard listed in the manifest is missing"),
-                                           ("target/head.safetensors", "is missing"), ("target/config.json", "is missing")])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("manifest.json", "the cache is incomplete"),
+        ("shards/r0-00002.arrow", "shard listed in the manifest is missing"),
+        ("target/head.safetensors", "is missing"),
+        ("target/config.json", "is missing"),
+    ],
+)
 def test_a_deleted_file(setup, tmp_path, name, message):
     _, _, cache, drafter = setup
     damaged = shutil.copytree(cache, tmp_path / "cache")
@@ -114,7 +155,10 @@ def test_hand_edited_manifest(setup, tmp_path):
     _, _, cache, drafter = setup
     edits = {
         "sha": (lambda m: m["shards"][1].update(sha256="0" * 64), "r0-00001.arrow: sha256 does not match"),
-        "dropped shard": (lambda m: m["shards"].pop(3), "shards/r0-00003.arrow: in the journals but not in the manifest"),
+        "dropped shard": (
+            lambda m: m["shards"].pop(3),
+            "shards/r0-00003.arrow: in the journals but not in the manifest",
+        ),
         "layer": (lambda m: m["spec"].update(layer_ids=[1, 3]), "layer_ids: [1, 4] -> [1, 3]"),
         "rows": (lambda m: m["shards"][0].update(rows=m["shards"][0]["rows"] + 1), "lists inconsistent rows"),
     }
@@ -127,8 +171,13 @@ def test_hand_edited_manifest(setup, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name, advice", [("target/head.safetensors", "delete {root}/target and rerun the same extract command"),
-                                          ("manifest.json", "rerun the same extract command to rebuild it from the journals")])
+@pytest.mark.parametrize(
+    "name, advice",
+    [
+        ("target/head.safetensors", "delete {root}/target and rerun the same extract command"),
+        ("manifest.json", "rerun the same extract command to rebuild it from the journals"),
+    ],
+)
 def test_the_advice_in_the_message_works(setup, tmp_path, name, advice):
     target, data, cache, _ = setup
     damaged = damage(cache, tmp_path / "cache", name, "flip")

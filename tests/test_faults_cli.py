@@ -38,20 +38,23 @@ def one_line_error(code, err, *needles, exit_code=1):
         assert needle in err, err
 
 
-@pytest.mark.parametrize("options, message, exit_code", [
-    (["--layers", "1,4", "--token-budget", -5], "--token-budget must be positive", 1),
-    (["--layers", "1,4", "--gpus", ""], "--gpus is empty", 1),
-    (["--layers", "1,4", "--gpus", "99"], "GPU 99 is not visible", 1),
-    (["--layers", "1,4", "--max-length", 1], "--max-length must be at least 2", 1),
-    (["--layers", "1,4", "--topk", -1], "--topk must be 0 or more", 1),
-    (["--layers", "1,99"], "out of range", 1),
-    (["--layers", ""], "--layers is empty", 1),
-    (["--num-draft-layers", -2], "--num-draft-layers -2 does not fit", 1),
-    (["--layers", "1,4", "--shard-size", 0], "Invalid value for --shard-size: must be positive", 2),
-    (["--layers", "1,4", "--tokenize-workers", -1], "'--tokenize-workers': -1 is not in the range x>=0", 2),
-    (["--layers", "1,4", "--codec", "zip"], "'--codec': 'zip' is not one of", 2),
-    (["--layers", "1,4", "--staging", "staged"], "--staging applies only with a URL --out", 1),  # was ignored
-])
+@pytest.mark.parametrize(
+    "options, message, exit_code",
+    [
+        (["--layers", "1,4", "--token-budget", -5], "--token-budget must be positive", 1),
+        (["--layers", "1,4", "--gpus", ""], "--gpus is empty", 1),
+        (["--layers", "1,4", "--gpus", "99"], "GPU 99 is not visible", 1),
+        (["--layers", "1,4", "--max-length", 1], "--max-length must be at least 2", 1),
+        (["--layers", "1,4", "--topk", -1], "--topk must be 0 or more", 1),
+        (["--layers", "1,99"], "out of range", 1),
+        (["--layers", ""], "--layers is empty", 1),
+        (["--num-draft-layers", -2], "--num-draft-layers -2 does not fit", 1),
+        (["--layers", "1,4", "--shard-size", 0], "Invalid value for --shard-size: must be positive", 2),
+        (["--layers", "1,4", "--tokenize-workers", -1], "'--tokenize-workers': -1 is not in the range x>=0", 2),
+        (["--layers", "1,4", "--codec", "zip"], "'--codec': 'zip' is not one of", 2),
+        (["--layers", "1,4", "--staging", "staged"], "--staging applies only with a URL --out", 1),  # was ignored
+    ],
+)
 def test_extract_options_out_of_range(setup, tmp_path, options, message, exit_code):
     _, target, data, _ = setup
     code, err = cli("extract", "--target", target, "--data", data, "--out", tmp_path / "out", *options)
@@ -59,19 +62,22 @@ def test_extract_options_out_of_range(setup, tmp_path, options, message, exit_co
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--token-budget", -1], "--token-budget must be at least 1"),
-    (["--max-anchors", 0], "--max-anchors must be at least 1"),
-    (["--anchors-per-batch", 0], "--anchors-per-batch must be at least 1"),
-    (["--lr", 0], "--lr must be positive"),
-    (["--grad-clip", -1], "--grad-clip must be positive"),
-    (["--weight-decay", -0.1], "--weight-decay must be at least 0"),
-    (["--min-lr-ratio", 1.5], "--min-lr-ratio must be in [0, 1]"),
-    (["--collective-timeout", 0], "--collective-timeout must be positive"),
-    (["--gpus", ""], "--gpus is empty"),
-    (["--steps", -3], "--steps must be at least 1"),
-    (["--local-cache", "fetched"], "--local-cache applies only with a remote --cache"),  # was ignored
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--token-budget", -1], "--token-budget must be at least 1"),
+        (["--max-anchors", 0], "--max-anchors must be at least 1"),
+        (["--anchors-per-batch", 0], "--anchors-per-batch must be at least 1"),
+        (["--lr", 0], "--lr must be positive"),
+        (["--grad-clip", -1], "--grad-clip must be positive"),
+        (["--weight-decay", -0.1], "--weight-decay must be at least 0"),
+        (["--min-lr-ratio", 1.5], "--min-lr-ratio must be in [0, 1]"),
+        (["--collective-timeout", 0], "--collective-timeout must be positive"),
+        (["--gpus", ""], "--gpus is empty"),
+        (["--steps", -3], "--steps must be at least 1"),
+        (["--local-cache", "fetched"], "--local-cache applies only with a remote --cache"),  # was ignored
+    ],
+)
 def test_train_options_out_of_range(tmp_path, options, message):
     cache, drafter = make_cache(tmp_path / "cache"), drafter_json(tmp_path / "drafter.json")
     one_line_error(*cli("train", "--cache", cache, "--drafter", drafter, "--out", tmp_path / "run", *options), message)
@@ -81,14 +87,18 @@ def test_train_options_out_of_range(tmp_path, options, message):
 @pytest.mark.parametrize("block_size", [1, 0, -4])
 def test_a_drafter_block_size_below_two(tmp_path, block_size):
     cache, drafter = make_cache(tmp_path / "cache"), drafter_json(tmp_path / "drafter.json", block_size=block_size)
-    one_line_error(*cli("train", "--cache", cache, "--drafter", drafter, "--out", tmp_path / "run"),
-                   "block_size must be an integer from 2 to 256")
+    one_line_error(
+        *cli("train", "--cache", cache, "--drafter", drafter, "--out", tmp_path / "run"),
+        "block_size must be an integer from 2 to 256",
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_inspect_and_verify_arguments(setup, tmp_path):
     cache = setup[3]
-    one_line_error(*cli("inspect", cache, "--token-budget", 0), "'--token-budget': 0 is not in the range x>=1", exit_code=2)
+    one_line_error(
+        *cli("inspect", cache, "--token-budget", 0), "'--token-budget': 0 is not in the range x>=1", exit_code=2
+    )
     one_line_error(*cli("verify"), "Missing argument 'CACHE'", exit_code=2)
     one_line_error(*cli("verify", tmp_path / "nope"), "no such cache directory")
 
@@ -115,27 +125,36 @@ def without_chat_template(target, dest):
     return dest
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda target, dest: dest, "does not exist"),
-    (lambda target, dest: dest.mkdir() or dest, "no config.json"),
-    (without_tokenizer, "has no tokenizer files"),
-    (other_architecture, "'t5' is not a causal LM"),
-    (without_chat_template, "data.jsonl:1: the tokenizer has no chat template"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda target, dest: dest, "does not exist"),
+        (lambda target, dest: dest.mkdir() or dest, "no config.json"),
+        (without_tokenizer, "has no tokenizer files"),
+        (other_architecture, "'t5' is not a causal LM"),
+        (without_chat_template, "data.jsonl:1: the tokenizer has no chat template"),
+    ],
+)
 def test_bad_target_directories(setup, tmp_path, make, message):
     _, target, data, _ = setup
     bad = make(target, tmp_path / "target")
-    one_line_error(*cli("extract", "--target", bad, "--data", data, "--out", tmp_path / "out", "--layers", "1,4"), message)
+    one_line_error(
+        *cli("extract", "--target", bad, "--data", data, "--out", tmp_path / "out", "--layers", "1,4"), message
+    )
 
 
 def bad_data_files(directory):
     good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     files = {
         "malformed.jsonl": (json.dumps(good) + "\n" + '{"messages": [\n', "malformed.jsonl:2: not valid JSON"),
-        "unknown_role.jsonl": (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n",
-                               "unknown_role.jsonl:1: messages[0] has unknown role 'wizard'"),
-        "no_assistant.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n",
-                               "no_assistant.jsonl:1: the conversation has no assistant turn"),
+        "unknown_role.jsonl": (
+            json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n",
+            "unknown_role.jsonl:1: messages[0] has unknown role 'wizard'",
+        ),
+        "no_assistant.jsonl": (
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n",
+            "no_assistant.jsonl:1: the conversation has no assistant turn",
+        ),
         "empty.jsonl": ("", "empty.jsonl is empty"),
         "vocab.jsonl": (json.dumps({"input_ids": [1, 2, 99999]}) + "\n", "vocab.jsonl:1"),
     }
@@ -168,8 +187,12 @@ def test_extract_into_a_folder_that_holds_something_else_is_refused(setup, tmp_p
     for folder, first in ((notes, "todo.txt"), (run, "checkpoints")):
         before = sorted(p.name for p in folder.iterdir())
         code, err = cli("extract", "--target", target, "--data", data, "--out", folder, "--layers", "1,4")
-        one_line_error(code, err, f"--out {folder} holds files that are not part of a cache ({first}",
-                       "choose a new or empty folder")
+        one_line_error(
+            code,
+            err,
+            f"--out {folder} holds files that are not part of a cache ({first}",
+            "choose a new or empty folder",
+        )
         assert sorted(p.name for p in folder.iterdir()) == before  # no locks/, nothing written
 
 
@@ -177,7 +200,9 @@ def test_a_data_file_given_twice_is_refused(setup, tmp_path, monkeypatch):
     """`--data d.jsonl --data ./d.jsonl` extracted every record twice (as regenerate refuses)."""
     _, target, data, _ = setup
     monkeypatch.chdir(data.parent)
-    code, err = cli("extract", "--target", target, "--data", data, "--data", f"./{data.name}", "--out", tmp_path / "out")
+    code, err = cli(
+        "extract", "--target", target, "--data", data, "--data", f"./{data.name}", "--out", tmp_path / "out"
+    )
     one_line_error(code, err, f"--data {data.name} is given twice (it is {data}); give each file once")
     assert not (tmp_path / "out").exists()
 
@@ -185,8 +210,23 @@ def test_a_data_file_given_twice_is_refused(setup, tmp_path, monkeypatch):
 def test_debug_raises_with_the_traceback(setup, tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_CACHE_DEBUG", raising=False)  # --debug sets it; gone after this test
     _, target, data, _ = setup
-    result = CliRunner().invoke(main, ["--debug", "extract", "--target", str(target), "--data", str(data),
-                                       "--out", str(tmp_path / "out"), "--layers", "1,4", "--token-budget", "-5"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--debug",
+            "extract",
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "out"),
+            "--layers",
+            "1,4",
+            "--token-budget",
+            "-5",
+        ],
+    )
     assert result.exit_code == 1 and isinstance(result.exception, DFlashCacheError)
     assert result.exc_info[2] is not None and "error:" not in result.stderr
 

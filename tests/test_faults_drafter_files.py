@@ -17,8 +17,19 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval.drafters import read_drafter
 from dflash_cache_cli.main import main
 
-CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99, num_target_layers=6)
+CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=100,
+    block_size=4,
+    target_layer_ids=[1, 3],
+    mask_token_id=99,
+    num_target_layers=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +54,9 @@ def rewrite_header(weights, edit) -> None:
     """Replace the safetensors JSON header with `edit(header)`, keeping the tensor bytes."""
     data = weights.read_bytes()
     size = struct.unpack("<Q", data[:8])[0]
-    header = json.dumps(edit(json.loads(data[8:8 + size]))).encode()
+    header = json.dumps(edit(json.loads(data[8 : 8 + size]))).encode()
     header += b" " * (-len(header) % 8)
-    weights.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + size:])
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + size :])
 
 
 def past_the_end(h):
@@ -73,10 +84,12 @@ def huge_length(weights):
     weights.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
 
 
-HEADERS = {"past_the_end": (past_the_end, "unreadable safetensors file"),
-           "overlapping": (overlapping, "unreadable safetensors file"),
-           "shape_swapped": (shape_swapped, r"fc.weight is \[64, 32\], the config makes it \[32, 64\]"),
-           "integer_weights": (integer_weights, "norm.weight is torch.int(32|16), not floating point")}
+HEADERS = {
+    "past_the_end": (past_the_end, "unreadable safetensors file"),
+    "overlapping": (overlapping, "unreadable safetensors file"),
+    "shape_swapped": (shape_swapped, r"fc.weight is \[64, 32\], the config makes it \[32, 64\]"),
+    "integer_weights": (integer_weights, "norm.weight is torch.int(32|16), not floating point"),
+}
 
 
 def refused(path, tmp_path, match):
@@ -84,7 +97,9 @@ def refused(path, tmp_path, match):
         read_drafter(path)
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["export", str(path), "--out", str(out)])
-    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), (
+        result.stderr
+    )
     assert not out.exists()
     return result.stderr
 
@@ -124,13 +139,20 @@ def test_a_config_with_huge_sizes_is_refused_before_anything_is_allocated(source
     refused(folder, tmp_path, match)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer, not 0"),  # was ZeroDivisionError
-    ("num_hidden_layers", "1", "num_hidden_layers must be a positive integer, not '1'"),
-    ("hidden_size", 32.0, "hidden_size must be a positive integer, not 32.0"),
-    ("target_layer_ids", 3, "target_layer_ids must be a list, not 3"),  # was TypeError: 'int' object is not iterable
-    ("target_layer_ids", ["1", 3], r"target_layer_ids must be layer numbers, not \['1', 3\]"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer, not 0"),  # was ZeroDivisionError
+        ("num_hidden_layers", "1", "num_hidden_layers must be a positive integer, not '1'"),
+        ("hidden_size", 32.0, "hidden_size must be a positive integer, not 32.0"),
+        (
+            "target_layer_ids",
+            3,
+            "target_layer_ids must be a list, not 3",
+        ),  # was TypeError: 'int' object is not iterable
+        ("target_layer_ids", ["1", 3], r"target_layer_ids must be layer numbers, not \['1', 3\]"),
+    ],
+)
 def test_a_config_of_the_wrong_types_is_named(sources, tmp_path, field, value, match):
     folder, _, config_file = copy(sources, "checkpoint", tmp_path)
     values = json.loads(config_file.read_text())
@@ -141,9 +163,16 @@ def test_a_config_of_the_wrong_types_is_named(sources, tmp_path, field, value, m
 
 # Each was exported; then eval ended in a bare IndexError (mask_token_id), tried to allocate 17 GB
 # (block_size) or reported accuracy 0.00 (the rest).
-BAD_VALUES = [("mask_token_id", 10**9), ("mask_token_id", -1), ("mask_token_id", 100), ("block_size", 1 << 31),
-              ("rope_theta", float("nan")), ("rms_norm_eps", -1), ("rms_norm_eps", float("inf")),
-              ("max_position_embeddings", 1 << 40)]
+BAD_VALUES = [
+    ("mask_token_id", 10**9),
+    ("mask_token_id", -1),
+    ("mask_token_id", 100),
+    ("block_size", 1 << 31),
+    ("rope_theta", float("nan")),
+    ("rms_norm_eps", -1),
+    ("rms_norm_eps", float("inf")),
+    ("max_position_embeddings", 1 << 40),
+]
 
 
 @pytest.mark.parametrize("field, value", BAD_VALUES)
@@ -204,7 +233,10 @@ def test_a_checkpoint_the_run_deletes_while_it_is_read_is_chosen_again(sources, 
     def the_run_moves_on(path):
         if not (run / "checkpoints" / "step-3").exists():
             write_checkpoint(3)
-            assert prune_checkpoints(run, keep_last=1) == [run / "checkpoints" / "step-1", run / "checkpoints" / "step-2"]
+            assert prune_checkpoints(run, keep_last=1) == [
+                run / "checkpoints" / "step-1",
+                run / "checkpoints" / "step-2",
+            ]
         return original(path)
 
     monkeypatch.setattr(module, "load_drafter_state", the_run_moves_on)

@@ -30,7 +30,9 @@ def write_data(path):
     lines = path.read_text().splitlines()
     words = " ".join(CORPUS).split()
     text = " ".join(words[i % len(words)] for i in range(700))
-    lines[LONG] = json.dumps({"messages": [{"role": "user", "content": "Repeat."}, {"role": "assistant", "content": text}]})
+    lines[LONG] = json.dumps(
+        {"messages": [{"role": "user", "content": "Repeat."}, {"role": "assistant", "content": text}]}
+    )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -69,8 +71,13 @@ def test_second_process_on_the_same_out_is_refused_naming_the_holder(setup, tmp_
         wait_until_stopped(first)  # frozen mid-extraction, holding the lock
         before = snapshot(out)
         start = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
-                                capture_output=True, text=True, timeout=240, check=False)
+        second = subprocess.run(
+            [sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
         assert second.returncode == 1
         assert second.stderr.startswith(f"error: {out} is being written by pid {first.pid} on {socket.gethostname()};")
         assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
@@ -93,14 +100,19 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
 
     target, data, reference = setup
     out = tmp_path / "cache"
-    drafter = drafter_json(tmp_path / "d.json", hidden_size=64, vocab_size=384, mask_token_id=383, target_layer_ids=[1, 4])
+    drafter = drafter_json(
+        tmp_path / "d.json", hidden_size=64, vocab_size=384, mask_token_id=383, target_layer_ids=[1, 4]
+    )
     first = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:2:STOP"})
     try:
         wait_until_stopped(first)
         before = snapshot(out)
         running = f"missing; {out} is being written by pid {first.pid} on {socket.gethostname()} (an extraction that has not finished)"
-        for args in (["inspect", out], ["verify", out],
-                     ["train", "--cache", out, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1]):
+        for args in (
+            ["inspect", out],
+            ["verify", out],
+            ["train", "--cache", out, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1],
+        ):
             result = CliRunner().invoke(main, [str(a) for a in args])
             assert result.exit_code == 1 and result.stderr.count("\n") == 1 and running in result.stderr, result.stderr
         assert snapshot(out) == before and not (tmp_path / "run").exists()
@@ -117,6 +129,7 @@ def limit_file_size(limit: int):
     def preexec():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+
     return preexec
 
 
@@ -141,9 +154,14 @@ def test_file_size_limit_during_a_shard_write(setup, tmp_path):
     target, data, reference = setup
     out = tmp_path / "cache"
     limit = 160 << 10  # above every file but the shard holding the long sample
-    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          preexec_fn=limit_file_size(limit))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_cache_cli.main", *map(str, extract_args(target, data, out))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        preexec_fn=limit_file_size(limit),
+    )
     committed = assert_stopped_cleanly(out, proc.returncode, proc.stderr, "File too large")
     assert all(LONG not in ids for ids in committed.values())
     run_extract(target, data, out, max_shard_bytes=SHARD_BYTES)
@@ -159,7 +177,9 @@ def test_full_disk_during_a_shard_write(setup, tmp_path):
     target, data, reference = setup
     disk, saved = tmp_path / "disk", tmp_path / "saved"
     disk.mkdir()
-    command = " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, disk / "cache")])
+    command = " ".join(
+        f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, disk / "cache")]
+    )
     script = f"""
         mount -t tmpfs -o size=540k tmpfs '{disk}' || exit 99
         {command} 2> '{tmp_path}/first.err'; echo $? > '{tmp_path}/first.rc'
@@ -187,8 +207,10 @@ def test_full_disk_while_the_manifest_is_written(setup, tmp_path):
     cache = disk / "cache"
     error = first.stderr.strip().splitlines()[-1]
     assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-2000:]
-    assert error.startswith(f"error: writing {cache / 'manifest.json'} failed: No space left on device; "
-                            f"free space in {cache} (0.0 MB free now)"), error
+    assert error.startswith(
+        f"error: writing {cache / 'manifest.json'} failed: No space left on device; "
+        f"free space in {cache} (0.0 MB free now)"
+    ), error
     assert "and rerun the same extract command to finish the cache" in error, error
     left = {p.name for p in (tmp_path / "after-first" / "cache").iterdir()}
     assert "manifest.json" not in left and "manifest.json.tmp" not in left, left

@@ -21,8 +21,12 @@ from dflash_cache.data.readers import TokenRecord, read_records
 from dflash_cache.store.manifest import manifest_checksum, read_journals
 from tests.cachegen import write_random_cache
 
-FUZZ = settings(max_examples=150, derandomize=True, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def one_line(error: DFlashCacheError) -> None:
@@ -31,22 +35,29 @@ def one_line(error: DFlashCacheError) -> None:
 
 # --- Parquet / Arrow pre-tokenized input ------------------------------------------------------
 
-scalar_types = st.sampled_from([pa.int8(), pa.int32(), pa.int64(), pa.uint8(), pa.uint64(), pa.bool_(), pa.float32(),
-                                pa.string(), pa.null()])
+scalar_types = st.sampled_from(
+    [pa.int8(), pa.int32(), pa.int64(), pa.uint8(), pa.uint64(), pa.bool_(), pa.float32(), pa.string(), pa.null()]
+)
 list_types = st.sampled_from([pa.list_, pa.large_list, lambda t: pa.list_(t, 2)])  # list, large list, fixed size
 token_types = st.sampled_from([pa.int32(), pa.int64(), pa.int16(), pa.uint32()]).map(pa.list_)
 mask_types = st.sampled_from([pa.bool_(), pa.int8(), pa.uint8()]).map(pa.list_)
-any_types = st.one_of(scalar_types, st.builds(lambda make, t: make(t), list_types, scalar_types),
-                      scalar_types.map(lambda t: pa.list_(pa.list_(t))), scalar_types.map(lambda t: pa.struct([("x", t)])))
+any_types = st.one_of(
+    scalar_types,
+    st.builds(lambda make, t: make(t), list_types, scalar_types),
+    scalar_types.map(lambda t: pa.list_(pa.list_(t))),
+    scalar_types.map(lambda t: pa.struct([("x", t)])),
+)
 
 
 @st.composite
 def columns(draw, kind: pa.DataType, rows: int) -> pa.Array:
     """`rows` values of `kind`: lists of small, negative or huge integers (or flags), with nulls."""
     token = st.sampled_from(["ok"] * 8 + ["odd"]).flatmap(
-        lambda kind: st.integers(0, 400) if kind == "ok" else st.none() | st.integers(-5, 1 << 40))
+        lambda kind: st.integers(0, 400) if kind == "ok" else st.none() | st.integers(-5, 1 << 40)
+    )
     row = st.sampled_from(["ok"] * 8 + ["odd"]).flatmap(
-        lambda kind: st.lists(token, min_size=1, max_size=4) if kind == "ok" else st.none() | st.just([]))
+        lambda kind: st.lists(token, min_size=1, max_size=4) if kind == "ok" else st.none() | st.just([])
+    )
     values = draw(st.lists(row, min_size=rows, max_size=rows))
     flags = pa.types.is_list(kind) and pa.types.is_boolean(kind.value_type)
     values = [v if v is None else [x if x is None or not flags else bool(x % 2) for x in v] for v in values]
@@ -71,8 +82,13 @@ def arrow_tables(draw) -> pa.Table:
 
 
 @FUZZ
-@given(table=arrow_tables(), form=st.sampled_from(["parquet", "arrow-file", "arrow-stream"]),
-       damage=st.sampled_from(["none", "none", "flip", "cut"]), where=st.floats(0, 1), bit=st.integers(0, 7))
+@given(
+    table=arrow_tables(),
+    form=st.sampled_from(["parquet", "arrow-file", "arrow-stream"]),
+    damage=st.sampled_from(["none", "none", "flip", "cut"]),
+    where=st.floats(0, 1),
+    bit=st.integers(0, 7),
+)
 def test_fuzz_columnar_reader(table, form, damage, where, bit):
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "data.bin"
@@ -95,10 +111,13 @@ def test_fuzz_columnar_reader(table, form, damage, where, bit):
             return
     for record in records:
         assert isinstance(record, TokenRecord) and record.input_ids.dtype == np.int64 and len(record.input_ids) > 0
-        assert record.loss_mask is None or (record.loss_mask.dtype == bool and len(record.loss_mask) == len(record.input_ids))
+        assert record.loss_mask is None or (
+            record.loss_mask.dtype == bool and len(record.loss_mask) == len(record.input_ids)
+        )
 
 
 # --- the cache: manifest, shards, journals ----------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
@@ -177,8 +196,11 @@ def test_any_flip_in_the_manifest_is_refused(cache, where, bit):
 
 
 @FUZZ
-@given(shard=st.integers(0, 2), flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 7)), min_size=1, max_size=3),
-       cut=st.none() | st.floats(0, 1))
+@given(
+    shard=st.integers(0, 2),
+    flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 7)), min_size=1, max_size=3),
+    cut=st.none() | st.floats(0, 1),
+)
 def test_fuzz_shard_bytes_never_yield_wrong_data(cache, shard, flips, cut):
     """What the reader returns from a damaged shard is either an error or exactly what was written
     (a flip in bytes that hold no data, such as padding, changes nothing)."""
@@ -218,7 +240,7 @@ journal_lines = st.one_of(
 def test_fuzz_journal_reader(cache, cut, extra, at):
     lines = (cache / "journal" / "r0.jsonl").read_text().splitlines()
     lines = lines[: len(lines) - cut % len(lines)]
-    lines[at % (len(lines) + 1): at % (len(lines) + 1)] = extra
+    lines[at % (len(lines) + 1) : at % (len(lines) + 1)] = extra
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         (root / "journal").mkdir()

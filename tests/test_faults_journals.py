@@ -61,7 +61,12 @@ def test_a_journal_append_that_fails_midway_leaves_no_partial_line(tmp_path):
     journal = tmp_path / "r0.jsonl"
     journal.write_text(json.dumps({"spec": {"codec": "bf16"}}) + "\n")
     before = journal.read_bytes()
-    proc = subprocess.run([sys.executable, "-c", APPEND_UNDER_A_LIMIT, str(journal), str(len(before) + 100)],
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", APPEND_UNDER_A_LIMIT, str(journal), str(len(before) + 100)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert proc.stdout.strip() == "File too large", proc.stderr
     assert journal.read_bytes() == before

@@ -23,7 +23,9 @@ def test_lock_is_shared_by_one_launch_only(tmp_path):
     a0 = FolderLock(tmp_path, "cache").acquire("world 2, master h:1, run x")
     a1 = FolderLock(tmp_path, "cache").acquire("world 2, master h:1, run x")
     for other in ("world 1, master h:2, run y", None):
-        with pytest.raises(DFlashCacheError, match=rf"^{tmp_path} is being written by torchrun launch \(world 2, master h:1"):
+        with pytest.raises(
+            DFlashCacheError, match=rf"^{tmp_path} is being written by torchrun launch \(world 2, master h:1"
+        ):
             FolderLock(tmp_path, "cache").acquire(other)
     a0.release()
     with pytest.raises(DFlashCacheError, match="being written by torchrun launch"):
@@ -72,16 +74,44 @@ def test_a_refused_extract_leaves_nothing_behind(setup, tmp_path):
 
 
 def extract_args(target, data, out):
-    return ["extract", "--target", target, "--data", data, "--out", out, "--layers", ",".join(map(str, LAYERS)),
-            "--token-budget", 100, "--shard-size", 0.02]
+    return [
+        "extract",
+        "--target",
+        target,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--token-budget",
+        100,
+        "--shard-size",
+        0.02,
+    ]
 
 
 def torchrun(nproc: int, args, env=None):
     """`dflash-cache ARGS` under a standalone torchrun launch of `nproc` ranks, in its own session."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "dflash_cache_cli.main", *map(str, args)]
-    return subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "dflash_cache_cli.main",
+        *map(str, args),
+    ]
+    return subprocess.Popen(
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _children(pid: int) -> list[tuple[int, str]]:

@@ -17,8 +17,14 @@ from dflash_cache_cli.main import main
 from tests.cachegen import random_spec, write_random_cache
 from tests.s3server import s3_server, s3_url  # noqa: F401 - fixtures
 
-HOSTILE = ["../outside.arrow", "/etc/passwd", "shards/../../outside.arrow", "shards/sub/r0-00000.arrow",
-           "shards/.hidden.arrow", "shards/r0-00000.arrow/.."]
+HOSTILE = [
+    "../outside.arrow",
+    "/etc/passwd",
+    "shards/../../outside.arrow",
+    "shards/sub/r0-00000.arrow",
+    "shards/.hidden.arrow",
+    "shards/r0-00000.arrow/..",
+]
 
 
 @pytest.fixture
@@ -100,7 +106,9 @@ def test_a_remote_manifest_path_never_reaches_the_local_folder(cache, s3_url, tm
     with pytest.raises(DFlashCacheError, match="is not shards/NAME.arrow"):
         open_cache(s3_url, folder, 10 << 20)
     assert not any(p.name == "escaped.arrow" for p in tmp_path.rglob("*"))
-    assert sorted(p for p in tmp_path.rglob("*") if "fetch" not in p.parts) == [p for p in before if "fetch" not in p.parts]
+    assert sorted(p for p in tmp_path.rglob("*") if "fetch" not in p.parts) == [
+        p for p in before if "fetch" not in p.parts
+    ]
 
 
 def test_a_hostile_remote_listing_of_target_is_refused(cache, s3_url, tmp_path, monkeypatch):
@@ -125,8 +133,14 @@ def test_the_fetcher_checks_what_it_writes_and_evicts(cache, s3_url, tmp_path):
     victim = tmp_path / "victim.arrow"
     victim.write_bytes(b"keep me")
     depth = len(fetcher.root.relative_to(tmp_path).parts)
-    record = ShardRecord(path="shards/" + "../" * (depth + 1) + "victim.arrow", rows=0, tokens=0, bytes=7,
-                         hidden_bytes=0, sha256="0" * 64)
+    record = ShardRecord(
+        path="shards/" + "../" * (depth + 1) + "victim.arrow",
+        rows=0,
+        tokens=0,
+        bytes=7,
+        hidden_bytes=0,
+        sha256="0" * 64,
+    )
     with pytest.raises(DFlashCacheError, match="is not shards/NAME.arrow"):
         fetcher.open(record)
     assert victim.read_bytes() == b"keep me"
@@ -135,6 +149,7 @@ def test_the_fetcher_checks_what_it_writes_and_evicts(cache, s3_url, tmp_path):
 
 
 # ---- folders handed over and written into: a cache to finish, a run to resume, an export to replace ----
+
 
 def linked_out(folder, name, tmp_path):
     """Replace `folder/name` with a symlink to a file of someone's own outside the folder; returns it."""
@@ -147,7 +162,9 @@ def linked_out(folder, name, tmp_path):
     return victim
 
 
-@pytest.mark.parametrize("name", ["locks/cache.lock", "journal/r0.jsonl", "shards/r0-00009.arrow.tmp", "manifest.json.tmp"])
+@pytest.mark.parametrize(
+    "name", ["locks/cache.lock", "journal/r0.jsonl", "shards/r0-00009.arrow.tmp", "manifest.json.tmp"]
+)
 def test_extract_into_a_cache_with_a_link_out_writes_nothing_through_it(cache, tmp_path, name):
     """Refused before the lock is taken. The lock file linked out was overwritten with `pid P on HOST`
     before the run found that this cache's settings differ; on a real resume a journal linked out was
@@ -183,8 +200,22 @@ def test_train_resume_of_a_run_with_a_link_out_writes_nothing_through_it(tmp_pat
     run.mkdir()
     (run / "run.json").write_text("{}")
     victim = linked_out(run, name, tmp_path)
-    code, err = cli("train", "--cache", cache, "--out", run, "--drafter", drafter, "--steps", 2, "--token-budget", 128,
-                    "--max-anchors", 8, "--resume")
+    code, err = cli(
+        "train",
+        "--cache",
+        cache,
+        "--out",
+        run,
+        "--drafter",
+        drafter,
+        "--steps",
+        2,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--resume",
+    )
     assert victim.read_text() == "keep me\n"
     assert code == 1 and err.count("\n") == 1 and f"{run / name} is a symbolic link out of the folder" in err, err
 
@@ -196,9 +227,23 @@ def test_export_into_a_folder_with_a_link_out_is_refused_as_the_others_are(tmp_p
     from dflash_cache.drafter.config import DrafterConfig
     from dflash_cache.drafter.model import DFlashDrafter
 
-    save_drafter(DFlashDrafter(DrafterConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=100, block_size=4, target_layer_ids=[1, 3], mask_token_id=99)), tmp_path / "checkpoint")
+    save_drafter(
+        DFlashDrafter(
+            DrafterConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                vocab_size=100,
+                block_size=4,
+                target_layer_ids=[1, 3],
+                mask_token_id=99,
+            )
+        ),
+        tmp_path / "checkpoint",
+    )
     victim = linked_out(tmp_path / "export", "model.safetensors", tmp_path)
     code, err = cli("export", tmp_path / "checkpoint", "--out", tmp_path / "export")
     assert victim.read_text() == "keep me\n"

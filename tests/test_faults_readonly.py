@@ -15,8 +15,12 @@ def can_bind_read_only(tmp_path) -> bool:
     probe.mkdir()
     script = f"mount --bind '{probe}' '{probe}' && mount -o remount,ro,bind '{probe}'"
     try:
-        return subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, timeout=30,
-                              check=False).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-Urm", "sh", "-c", script], capture_output=True, timeout=30, check=False
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -38,7 +42,9 @@ def test_a_read_only_cache_folder_is_named_as_such(tmp_path):
     (part / "shards").mkdir(parents=True)
 
     def command(out):
-        return " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, out)])
+        return " ".join(
+            f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, out)]
+        )
 
     script = f"""
         {read_only(whole)}
@@ -47,8 +53,10 @@ def test_a_read_only_cache_folder_is_named_as_such(tmp_path):
         {command(part)} 2> '{tmp_path}/part.err'; echo $? > '{tmp_path}/part.rc'
     """
     subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=600, check=True)
-    for name, start, end in [("whole", f"error: {whole} is not writable (Read-only file system)", "make it writable"),
-                             ("part", f"error: writing to {part} failed: ", "Read-only file system; make it writable and rerun")]:
+    for name, start, end in [
+        ("whole", f"error: {whole} is not writable (Read-only file system)", "make it writable"),
+        ("part", f"error: writing to {part} failed: ", "Read-only file system; make it writable and rerun"),
+    ]:
         err = (tmp_path / f"{name}.err").read_text()
         assert (tmp_path / f"{name}.rc").read_text().strip() == "1", err
         lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -65,7 +65,7 @@ class HostileServer:
                     if not byte_every_s:
                         self.wfile.write(data)
                     for i in range(len(data) if byte_every_s else 0):
-                        self.wfile.write(data[i:i + 1])
+                        self.wfile.write(data[i : i + 1])
                         self.wfile.flush()
                         if server.closed.wait(byte_every_s):
                             return
@@ -98,9 +98,13 @@ def hostile():
 
 def completion_bytes(message: dict, tokens: object = 3) -> bytes:
     """A chat completion as a server sends it (Python's json writes NaN and Infinity as such)."""
-    return json.dumps({"model": "hostile", "choices": [{"index": 0, "message": {"role": "assistant", **message},
-                                                         "finish_reason": "stop"}],
-                       "usage": {"completion_tokens": tokens}}).encode()
+    return json.dumps(
+        {
+            "model": "hostile",
+            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}],
+            "usage": {"completion_tokens": tokens},
+        }
+    ).encode()
 
 
 def call(function: dict) -> dict:
@@ -110,7 +114,10 @@ def call(function: dict) -> dict:
 GOOD = completion_bytes({"content": "fine"})
 HOSTILE = {
     # each was written as a finished record (exit 0); extract then stopped at its line
-    "arguments_not_json": (completion_bytes(call({"name": "f", "arguments": "{not json"})), "arguments is not valid JSON"),
+    "arguments_not_json": (
+        completion_bytes(call({"name": "f", "arguments": "{not json"})),
+        "arguments is not valid JSON",
+    ),
     "call_without_name": (completion_bytes(call({"arguments": "{}"})), "needs a function name"),
     "content_a_number": (completion_bytes({"content": 5}), "content must be a string or a list of text parts, found 5"),
     "content_an_object": (completion_bytes({"content": {"a": 1}}), "content must be a string or a list of text parts"),
@@ -125,9 +132,13 @@ HOSTILE = {
 
 
 def conversations(tmp_path, n: int = 2):
-    return write_jsonl(tmp_path / "data.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"},
-                                                               {"role": "assistant", "content": "old"}]}
-                                                 for i in range(n)])
+    return write_jsonl(
+        tmp_path / "data.jsonl",
+        [
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"}]}
+            for i in range(n)
+        ],
+    )
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -135,14 +146,33 @@ def test_an_answer_extract_would_refuse_is_a_failed_request_never_a_record(tmp_p
     answer, reason = HOSTILE[case]
     server = hostile(answer)
     data, out = conversations(tmp_path), tmp_path / "out.jsonl"
-    summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[server.url], concurrency=1, retry=FAST,
-                                           on_error="skip", settings=GenerationSettings(max_tokens=16)))
+    summary = regenerate(
+        RegenerateOptions(
+            data=[data],
+            out=out,
+            servers=[server.url],
+            concurrency=1,
+            retry=FAST,
+            on_error="skip",
+            settings=GenerationSettings(max_tokens=16),
+        )
+    )
     assert summary.records == 0 and [source for source, _ in summary.skipped] == [f"{data}:1", f"{data}:2"]
-    assert all(reason in why and f"failed after {FAST.attempts} attempt(s)" in why for _, why in summary.skipped), summary.skipped
+    assert all(reason in why and f"failed after {FAST.attempts} attempt(s)" in why for _, why in summary.skipped), (
+        summary.skipped
+    )
     assert server.requests == 2 * FAST.attempts and not out.exists()  # each retried; nothing written
     with pytest.raises(DFlashCacheError, match=f"{data}:1: failed after {FAST.attempts} attempt"):
-        regenerate(RegenerateOptions(data=[data], out=out, servers=[server.url], concurrency=1, retry=FAST,
-                                     settings=GenerationSettings(max_tokens=16)))
+        regenerate(
+            RegenerateOptions(
+                data=[data],
+                out=out,
+                servers=[server.url],
+                concurrency=1,
+                retry=FAST,
+                settings=GenerationSettings(max_tokens=16),
+            )
+        )
 
 
 def test_the_cli_skips_and_lists_them_and_writes_only_what_extract_reads(tmp_path, hostile, monkeypatch):
@@ -161,14 +191,37 @@ def test_the_cli_skips_and_lists_them_and_writes_only_what_extract_reads(tmp_pat
 
     server = hostile(answer)
     data, out = conversations(tmp_path, 4), tmp_path / "out.jsonl"
-    result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(out), "--server", server.url,
-                                       "--concurrency", "1", "--max-tokens", "16", "--on-error", "skip"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "regenerate",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--server",
+            server.url,
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "16",
+            "--on-error",
+            "skip",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert "done: 3 records written" in result.stdout and "failures: 1 record(s) skipped" in result.stdout, result.output
-    assert f"  {data}:2: failed after 6 attempt(s): {server.url}/v1 answered with usage.completion_tokens inf" in result.stdout
+    assert "done: 3 records written" in result.stdout and "failures: 1 record(s) skipped" in result.stdout, (
+        result.output
+    )
+    assert (
+        f"  {data}:2: failed after 6 attempt(s): {server.url}/v1 answered with usage.completion_tokens inf"
+        in result.stdout
+    )
     assert seen.count("q1") == 6 and seen.count("q2") == 2
     assert [record.where for record in read_records(out)] == [f"{out}:1", f"{out}:2", f"{out}:3"]
-    assert sorted(json.loads(line)["source"] for line in out.read_text().splitlines()) == [f"{data}:{i}" for i in (1, 3, 4)]
+    assert sorted(json.loads(line)["source"] for line in out.read_text().splitlines()) == [
+        f"{data}:{i}" for i in (1, 3, 4)
+    ]
 
 
 def test_an_answer_sent_a_byte_at_a_time_is_timed_out_as_a_whole(tmp_path, hostile):
@@ -176,9 +229,20 @@ def test_an_answer_sent_a_byte_at_a_time_is_timed_out_as_a_whole(tmp_path, hosti
     server = hostile(GOOD, byte_every_s=0.2)  # the whole answer would take over 20 s
     data, out = conversations(tmp_path, 1), tmp_path / "out.jsonl"
     started = time.monotonic()
-    with pytest.raises(DFlashCacheError, match=r"timed out: the answer took more than 1 s \(the limit for --max-tokens 16\)"):
-        regenerate(RegenerateOptions(data=[data], out=out, servers=[server.url], concurrency=1, retry=FAST,
-                                     settings=GenerationSettings(max_tokens=16), limits=AnswerLimits(base_s=1.0, seconds_per_token=0.0)))
+    with pytest.raises(
+        DFlashCacheError, match=r"timed out: the answer took more than 1 s \(the limit for --max-tokens 16\)"
+    ):
+        regenerate(
+            RegenerateOptions(
+                data=[data],
+                out=out,
+                servers=[server.url],
+                concurrency=1,
+                retry=FAST,
+                settings=GenerationSettings(max_tokens=16),
+                limits=AnswerLimits(base_s=1.0, seconds_per_token=0.0),
+            )
+        )
     assert time.monotonic() - started < 8 and server.requests == FAST.attempts and not out.exists()
 
 
@@ -187,12 +251,29 @@ def test_sigterm_before_the_first_record_leaves_no_output_file(tmp_path, hostile
     """SIGTERM (what Slurm and Kubernetes send) ended the process at once and left a 0-byte --out."""
     server = hostile(GOOD, hold=True)
     data, out = conversations(tmp_path, 1), tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_cache_cli.main", "regenerate", "--data", str(data),
-                             "--out", str(out), "--server", server.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_cache_cli.main",
+            "regenerate",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--server",
+            server.url,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     deadline = time.monotonic() + 60
     while not server.requests:  # the output file is open and locked before the first request
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            proc.stderr.read() if proc.poll() is not None else ""
+        )
         time.sleep(0.05)
     assert out.exists()
     proc.send_signal(signal.SIGTERM)

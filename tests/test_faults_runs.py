@@ -19,8 +19,28 @@ from tests.test_train_helpers import drafter_json, make_cache
 
 
 def train_args(cache, drafter, out, *extra):
-    return ["train", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", 6, "--save-every", 2,
-            "--token-budget", 128, "--max-anchors", 8, "--eval-fraction", 0, "--workers", 2, *extra]
+    return [
+        "train",
+        "--cache",
+        cache,
+        "--drafter",
+        drafter,
+        "--out",
+        out,
+        "--steps",
+        6,
+        "--save-every",
+        2,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--eval-fraction",
+        0,
+        "--workers",
+        2,
+        *extra,
+    ]
 
 
 def run(*args):
@@ -74,7 +94,9 @@ def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(setup, tmp_path):
     assert not marker.exists()
     # A JSON state naming anything but the three known forms is refused too.
     (step / "train_state.json").write_text(json.dumps({"dict": [["optimizer", {"__reduce__": "os.system"}]]}))
-    (step / "train_state.safetensors").write_bytes((whole / CHECKPOINT_DIR / "step-4" / "train_state.safetensors").read_bytes())
+    (step / "train_state.safetensors").write_bytes(
+        (whole / CHECKPOINT_DIR / "step-4" / "train_state.safetensors").read_bytes()
+    )
     one_line_error(*run(*train_args(cache, drafter, out, "--resume")), "malformed training state", "__reduce__")
     (step / "train_state.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     one_line_error(*run(*train_args(cache, drafter, out, "--resume")), "unreadable training state")
@@ -114,8 +136,13 @@ def test_a_second_resume_into_one_run_folder_is_refused(setup, tmp_path):
     cache, drafter, whole = setup
     out = interrupted_copy(whole, tmp_path / "run", 2)
     command = [sys.executable, "-m", "dflash_cache_cli.main", *map(str, train_args(cache, drafter, out, "--resume"))]
-    first = subprocess.Popen(command, env={**os.environ, "DFLASH_CACHE_KILL_AT": "train.step:1:STOP"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        command,
+        env={**os.environ, "DFLASH_CACHE_KILL_AT": "train.step:1:STOP"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until_stopped(first)  # after step 3, holding the run folder
         before = (out / "metrics.jsonl").read_bytes()
@@ -135,10 +162,14 @@ def test_training_state_round_trip(tmp_path):
 
     from dflash_cache.train.state_io import load_state, save_state
 
-    state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
-                           "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "foreach": None, "params": [0]}]},
-             "rng": [{"python": (3, tuple(range(5)), None), "torch": torch.arange(8, dtype=torch.uint8)}],
-             "position": {"step": 4, "epoch": 0}}
+    state = {
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+            "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "foreach": None, "params": [0]}],
+        },
+        "rng": [{"python": (3, tuple(range(5)), None), "torch": torch.arange(8, dtype=torch.uint8)}],
+        "position": {"step": 4, "epoch": 0},
+    }
     save_state(state, tmp_path, "s")
     loaded = load_state(tmp_path, "s")
     assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
@@ -168,8 +199,25 @@ def test_a_train_into_a_run_folder_being_trained_names_the_run_not_resume(tmp_pa
     try:
         before = sorted(p for p in run.rglob("*"))
         for extra in ([], ["--resume"]):
-            result = CliRunner().invoke(main, ["train", "--cache", str(cache), "--out", str(run), "--drafter", str(drafter),
-                                               "--steps", "2", "--token-budget", "128", "--max-anchors", "8", *extra])
+            result = CliRunner().invoke(
+                main,
+                [
+                    "train",
+                    "--cache",
+                    str(cache),
+                    "--out",
+                    str(run),
+                    "--drafter",
+                    str(drafter),
+                    "--steps",
+                    "2",
+                    "--token-budget",
+                    "128",
+                    "--max-anchors",
+                    "8",
+                    *extra,
+                ],
+            )
             assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
             assert f"error: {run} is being trained by pid " in result.stderr and "--resume" not in result.stderr
         assert sorted(p for p in run.rglob("*")) == before

@@ -23,13 +23,29 @@ def test_redact():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("secrets")
-    return build_target(root / "target", "qwen3"), write_conversations(root / "data.jsonl", count=2), drafter_json(root / "d.json")
+    return (
+        build_target(root / "target", "qwen3"),
+        write_conversations(root / "data.jsonl", count=2),
+        drafter_json(root / "d.json"),
+    )
 
 
 def test_credentials_in_a_url_are_refused_without_showing_them(setup, tmp_path):
     target, data, drafter = setup
     commands = [
-        ["extract", "--target", target, "--data", data, "--out", URL, "--layers", "1,4", "--staging", tmp_path / "staging"],
+        [
+            "extract",
+            "--target",
+            target,
+            "--data",
+            data,
+            "--out",
+            URL,
+            "--layers",
+            "1,4",
+            "--staging",
+            tmp_path / "staging",
+        ],
         ["inspect", URL],
         ["verify", URL],
         ["train", "--cache", URL, "--out", tmp_path / "run", "--drafter", drafter],
@@ -54,7 +70,7 @@ def test_remote_errors_are_one_line(monkeypatch):
         pass
 
     def failing(self):
-        raise Multiline("Parameter validation failed:\nInvalid bucket name \"x\": Bucket name must match\nmore")
+        raise Multiline('Parameter validation failed:\nInvalid bucket name "x": Bucket name must match\nmore')
 
     monkeypatch.setattr(RemoteDir, "_connect", failing)
     monkeypatch.setattr(RemoteDir, "fs", property(lambda self: failing(self)))
@@ -74,25 +90,37 @@ def test_credentials_in_a_server_url_are_sent_but_never_shown(tmp_path):
     def with_secret(url):
         return url.replace("http://", f"http://bob:{SECRET}@")
 
-    data = write_jsonl(tmp_path / "data.jsonl", [{"messages": [{"role": "user", "content": "q"},
-                                                               {"role": "assistant", "content": "old"}]}])
+    data = write_jsonl(
+        tmp_path / "data.jsonl",
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}]}],
+    )
     dead = with_secret(f"http://127.0.0.1:{free_port()}")
-    result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--server", dead])
+    result = CliRunner().invoke(
+        main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--server", dead]
+    )
     assert result.exit_code == 1 and "error: server http://***@127.0.0.1:" in result.stderr, result.stderr
     assert SECRET not in result.output + result.stderr
 
     fast = RetryPolicy(attempts=2, first_delay_s=0.01, max_delay_s=0.02)
-    failing, refusing, good = ScriptedServer(fail_first=9), ScriptedServer(fail_first=1, fail_status=400), ScriptedServer()
+    failing, refusing, good = (
+        ScriptedServer(fail_first=9),
+        ScriptedServer(fail_first=1, fail_status=400),
+        ScriptedServer(),
+    )
     try:
         out = tmp_path / "out.jsonl"
-        summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(failing.url)], retry=fast,
-                                               on_error="skip"))
+        summary = regenerate(
+            RegenerateOptions(data=[data], out=out, servers=[with_secret(failing.url)], retry=fast, on_error="skip")
+        )
         assert len(summary.skipped) == 1 and "http://***@127.0.0.1" in summary.skipped[0][1]
         assert SECRET not in str(summary.skipped)
         with pytest.raises(DFlashCacheError, match=r"http://\*\*\*@127.0.0.1:\d+/v1 refused the request") as refused:
             regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(refusing.url)], retry=fast))
         assert SECRET not in str(refused.value)
-        assert regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(good.url)], retry=fast)).records == 1
+        assert (
+            regenerate(RegenerateOptions(data=[data], out=out, servers=[with_secret(good.url)], retry=fast)).records
+            == 1
+        )
         assert SECRET not in out.read_text()
     finally:
         for server in (failing, refusing, good):

@@ -26,8 +26,25 @@ def caches(tmp_path_factory):
 
 
 def train(cache, drafter, out):
-    args = ["train", "--cache", cache, "--out", out, "--drafter", drafter, "--steps", 4, "--token-budget", 128,
-            "--max-anchors", 8, "--eval-fraction", 0, "--workers", 2]
+    args = [
+        "train",
+        "--cache",
+        cache,
+        "--out",
+        out,
+        "--drafter",
+        drafter,
+        "--steps",
+        4,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--eval-fraction",
+        0,
+        "--workers",
+        2,
+    ]
     result = CliRunner().invoke(main, [str(a) for a in args])
     return result.exit_code, result.stderr
 
@@ -42,7 +59,9 @@ def test_a_swapped_shard_stops_training_naming_it(caches, tmp_path):
     a, b, drafter = caches
     swapped = shutil.copytree(a, tmp_path / "swapped")
     shutil.copyfile(b / "shards/r0-00001.arrow", swapped / "shards/r0-00001.arrow")
-    one_line_error(*train(swapped, drafter, tmp_path / "run"), f"{swapped}/shards/r0-00001.arrow: sha256 does not match")
+    one_line_error(
+        *train(swapped, drafter, tmp_path / "run"), f"{swapped}/shards/r0-00001.arrow: sha256 does not match"
+    )
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])

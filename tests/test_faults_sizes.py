@@ -60,9 +60,16 @@ def write_wide_cache(root, hidden_size: int, num_tokens: int = 30, layers: int =
     spec = random_spec(codec="fp8-zstd", layer_ids=tuple(range(1, layers + 1)), hidden_size=hidden_size)
     writer = ShardWriter(root, rank=0, spec=spec)
     ids = np.arange(num_tokens, dtype=np.int32)
-    writer.append(Row(sample_id=0, input_ids=ids, loss_mask=np.ones(num_tokens, bool), target_ids=ids,
-                      hidden=compress(np.zeros(num_tokens * layers * hidden_size, np.uint8), "fp8-zstd"),
-                      hidden_scales=np.ones((num_tokens, layers), np.float32).tobytes()))
+    writer.append(
+        Row(
+            sample_id=0,
+            input_ids=ids,
+            loss_mask=np.ones(num_tokens, bool),
+            target_ids=ids,
+            hidden=compress(np.zeros(num_tokens * layers * hidden_size, np.uint8), "fp8-zstd"),
+            hidden_scales=np.ones((num_tokens, layers), np.float32).tobytes(),
+        )
+    )
     writer.commit()
     write_manifest(root, build_manifest(read_journals(root)))
 
@@ -76,15 +83,30 @@ def test_a_width_the_shards_bytes_cannot_hold_is_refused_where_the_manifest_is_r
     write_wide_cache(root, hidden_size=1 << 20)
     size = (root / "shards" / "r0-00000.arrow").stat().st_size
     assert size < 8000
-    message = (f"malformed manifest (spec.target.hidden_size 1048576 x 2 layer_ids is too wide for shard "
-               f"shards/r0-00000.arrow: its 30 tokens would decode to 62914560 bytes, more than its {size} bytes can "
-               "hold (fp8-zstd decodes at most 16 bytes a stored byte))")
+    message = (
+        f"malformed manifest (spec.target.hidden_size 1048576 x 2 layer_ids is too wide for shard "
+        f"shards/r0-00000.arrow: its 30 tokens would decode to 62914560 bytes, more than its {size} bytes can "
+        "hold (fp8-zstd decodes at most 16 bytes a stored byte))"
+    )
     with pytest.raises(DFlashCacheError, match=re.escape(f"{root / 'manifest.json'}: {message}")):
         open_cache(root)
     from tests.test_train_helpers import drafter_json
 
-    train = ["train", "--cache", root, "--out", tmp_path / "run", "--drafter", drafter_json(tmp_path / "d.json"),
-             "--steps", 1, "--token-budget", 128, "--max-anchors", 8]
+    train = [
+        "train",
+        "--cache",
+        root,
+        "--out",
+        tmp_path / "run",
+        "--drafter",
+        drafter_json(tmp_path / "d.json"),
+        "--steps",
+        1,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+    ]
     for command in (["inspect", root, "--sample", 0], ["verify", root], train):
         code, err = cli(*command)
         assert code == 1 and err.count("\n") == 1 and message in err, err
@@ -95,13 +117,16 @@ def test_a_width_the_shards_bytes_cannot_hold_is_refused_where_the_manifest_is_r
     assert not open_cache(honest)[0].hidden.any()
 
 
-@pytest.mark.parametrize("codec, hidden_size, match", [
-    ("bf16", 1 << 36, "bf16 decodes at most 1 bytes"),
-    ("bf16-zstd", 1 << 36, "bf16-zstd decodes at most 2 bytes"),
-    ("fp8-zstd", 1 << 36, "fp8-zstd decodes at most 16 bytes"),
-    ("bf16", 17, "corrupt bf16 payload: 1920 bytes cannot hold 2040 bytes of planes"),
-    ("fp8-zstd", 17, "corrupt fp8-zstd payload: its zstd frame declares 960 bytes, expected 1020"),
-])
+@pytest.mark.parametrize(
+    "codec, hidden_size, match",
+    [
+        ("bf16", 1 << 36, "bf16 decodes at most 1 bytes"),
+        ("bf16-zstd", 1 << 36, "bf16-zstd decodes at most 2 bytes"),
+        ("fp8-zstd", 1 << 36, "fp8-zstd decodes at most 16 bytes"),
+        ("bf16", 17, "corrupt bf16 payload: 1920 bytes cannot hold 2040 bytes of planes"),
+        ("fp8-zstd", 17, "corrupt fp8-zstd payload: its zstd frame declares 960 bytes, expected 1020"),
+    ],
+)
 def test_a_wider_hidden_size_is_refused_before_its_buffer_is_allocated(tmp_path, codec, hidden_size, match):
     """Hidden size 16 edited (checksum recomputed): 2^36 made 30 tokens x 2 layers 7.5 TiB of planes,
     allocated first (MemoryError, or with overcommit a buffer as large as the claim); it is now too wide
@@ -140,10 +165,25 @@ def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tm
 
     cache, drafter = make_cache(tmp_path / "cache", lengths=[20, 30, 25, 40]), drafter_json(tmp_path / "d.json")
     write_head(cache, hidden=16)
-    needle = ("head.safetensors does not hold the head of the cache's target (vocabulary 100, hidden size 32): "
-              "embed_tokens.weight is [100, 16], not [100, 32]; norm.weight is [16], not [32]")
-    code, err = cli("train", "--cache", cache, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1,
-                    "--token-budget", 128, "--max-anchors", 8)
+    needle = (
+        "head.safetensors does not hold the head of the cache's target (vocabulary 100, hidden size 32): "
+        "embed_tokens.weight is [100, 16], not [100, 32]; norm.weight is [16], not [32]"
+    )
+    code, err = cli(
+        "train",
+        "--cache",
+        cache,
+        "--out",
+        tmp_path / "run",
+        "--drafter",
+        drafter,
+        "--steps",
+        1,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+    )
     assert code == 1 and err.count("\n") == 1 and needle in err, err
     assert not (tmp_path / "run").exists()
     save_drafter(DFlashDrafter(load_drafter_config(drafter)), tmp_path / "checkpoint")
@@ -165,17 +205,24 @@ def test_a_shard_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_path, lengt
     write_random_cache(root, [37], random_spec(), rows_per_shard=1)
     shard = root / "shards" / "r0-00000.arrow"
     data = bytearray(shard.read_bytes())
-    declared = [i for i in range(len(data) - 8) if data[i:i + 8] == struct.pack("<q", 37)]
+    declared = [i for i in range(len(data) - 8) if data[i : i + 8] == struct.pack("<q", 37)]
     assert len(declared) >= 3  # the lengths of the input_ids, loss_mask and target_ids values
     for i in declared[:3]:
-        data[i:i + 8] = struct.pack("<q", length)
+        data[i : i + 8] = struct.pack("<q", length)
     shard.write_bytes(bytes(data))
     edited(root, lambda manifest: manifest["shards"][0].update(sha256=hashlib.sha256(data).hexdigest()))
     for command in (["inspect", root, "--sample", 0], ["verify", root]):
-        result = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, command)],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "dflash_cache_cli.main", *map(str, command)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 1, (result.returncode, result.stderr[-500:])
-        assert result.stderr.count("\n") == 1 and "r0-00000.arrow: row 0 unreadable (In column 2: Invalid: List child array invalid" in result.stderr, result.stderr
+        assert (
+            result.stderr.count("\n") == 1
+            and "r0-00000.arrow: row 0 unreadable (In column 2: Invalid: List child array invalid" in result.stderr
+        ), result.stderr
 
 
 @pytest.mark.parametrize("kind", ["file", "stream"])
@@ -197,13 +244,17 @@ def test_an_arrow_data_file_whose_lengths_lie_is_one_line_not_a_crash(tmp_path, 
     data = bytearray(path.read_bytes())
     node = data.find(struct.pack("<qq", 47, 0))  # the values' field node: 47 entries, no nulls
     assert node > 0
-    data[node:node + 8] = struct.pack("<q", length)
+    data[node : node + 8] = struct.pack("<q", length)
     path.write_bytes(bytes(data))
-    code = (f"from dflash_cache.data.readers import read_records\nfrom dflash_cache import DFlashCacheError\n"
-            f"try:\n    list(read_records({str(path)!r}))\nexcept DFlashCacheError as e:\n    print(e)\n    raise SystemExit(1)")
+    code = (
+        f"from dflash_cache.data.readers import read_records\nfrom dflash_cache import DFlashCacheError\n"
+        f"try:\n    list(read_records({str(path)!r}))\nexcept DFlashCacheError as e:\n    print(e)\n    raise SystemExit(1)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, (result.returncode, result.stderr[-500:])
-    assert result.stdout.startswith(f"{path}: unreadable data part-way through the file (In column 0: Invalid: List child array invalid")
+    assert result.stdout.startswith(
+        f"{path}: unreadable data part-way through the file (In column 0: Invalid: List child array invalid"
+    )
 
 
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON nested past Python's recursion limit
@@ -229,14 +280,34 @@ def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
     save_drafter(DFlashDrafter(load_drafter_config(drafter)), tmp_path / "checkpoint")
     (tmp_path / "checkpoint" / CONFIG_FILE).write_text(DEEP)
     code, err = cli("export", tmp_path / "checkpoint", "--out", tmp_path / "export")
-    assert code == 1 and err.count("\n") == 1 and f"{tmp_path / 'checkpoint' / CONFIG_FILE}: unreadable (maximum recursion" in err, err
+    assert (
+        code == 1
+        and err.count("\n") == 1
+        and f"{tmp_path / 'checkpoint' / CONFIG_FILE}: unreadable (maximum recursion" in err
+    ), err
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(DEEP)
-    code, err = cli("train", "--cache", cache, "--out", run, "--drafter", drafter, "--steps", 2, "--token-budget", 128,
-                    "--max-anchors", 8, "--resume")
-    assert code == 1 and err.count("\n") == 1 and f"--resume: {run / 'run.json'} is unreadable (maximum recursion" in err, err
+    code, err = cli(
+        "train",
+        "--cache",
+        cache,
+        "--out",
+        run,
+        "--drafter",
+        drafter,
+        "--steps",
+        2,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--resume",
+    )
+    assert (
+        code == 1 and err.count("\n") == 1 and f"--resume: {run / 'run.json'} is unreadable (maximum recursion" in err
+    ), err
 
     from safetensors.torch import save_file
 
@@ -250,8 +321,9 @@ def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
     (cache / "manifest.json").write_text(DEEP)
     for command in ("inspect", "verify"):
         code, err = cli(command, cache)
-        assert code == 1 and err.count("\n") == 1 and "manifest.json: unreadable manifest (maximum recursion" in err, err
-
+        assert code == 1 and err.count("\n") == 1 and "manifest.json: unreadable manifest (maximum recursion" in err, (
+            err
+        )
 
 
 # Reads the tokenized data in a process of its own (a crash is then a return code); no tokenizer is
@@ -291,27 +363,34 @@ def test_a_tokenized_file_whose_arrow_lengths_lie_is_one_line_not_a_crash(tmp_pa
     pq.write_table(pa.table({"input_ids": [list(range(100, 140)), list(range(200, 207))]}), data)
     arrow = tokenized_data([data], tokenizer, 64, "t" * 64, folder, workers=0).path
     tokenizer.save_pretrained(tmp_path / "tokenizer")
-    run = lambda: subprocess.run([sys.executable, "-c", TOKENIZED, str(data), str(folder), str(tmp_path / "tokenizer")],  # noqa: E731
-                                 capture_output=True, text=True, timeout=120)
+    run = lambda: subprocess.run(
+        [sys.executable, "-c", TOKENIZED, str(data), str(folder), str(tmp_path / "tokenizer")],  # noqa: E731
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     read = run()  # the file as written reads back in the other process
     assert read.returncode == 0 and read.stdout.strip() == str([list(range(100, 140)), list(range(200, 207))]), read
     raw = bytearray(arrow.read_bytes())
     if lie == "values":
         node = raw.find(struct.pack("<qq", 47, 0))  # the input_ids values' field node: 47 entries, no nulls
         assert node > 0
-        raw[node:node + 8] = struct.pack("<q", 1 << 40)
+        raw[node : node + 8] = struct.pack("<q", 1 << 40)
         arrow.with_suffix(".index.npy").unlink()  # indexed again from the crafted file
     else:  # the batch's length and its columns' field nodes: no other int64 in the file is 2
-        places = [i for i in range(len(raw) - 8) if raw[i:i + 8] == struct.pack("<q", 2)]
+        places = [i for i in range(len(raw) - 8) if raw[i : i + 8] == struct.pack("<q", 2)]
         assert len(places) >= 5
         for i in places:
-            raw[i:i + 8] = struct.pack("<q", 1 << 20)
+            raw[i : i + 8] = struct.pack("<q", 1 << 20)
     info = arrow.with_suffix(".json")  # it vouches for the crafted file: its rows and its CRC-32
     rows = {} if lie == "values" else {"rows": 1 << 20}
     info.write_text(json.dumps({**json.loads(info.read_text()), **rows, "crc32": zlib.crc32(raw)}))
     arrow.write_bytes(bytes(raw))
     result = run()
     assert result.returncode == 1, (result.returncode, result.stderr[-500:])
-    assert result.stdout.startswith(f"{arrow}: unreadable data part-way through the file (") and result.stdout.count("\n") == 1, result.stdout
+    assert (
+        result.stdout.startswith(f"{arrow}: unreadable data part-way through the file (")
+        and result.stdout.count("\n") == 1
+    ), result.stdout
     assert result.stdout.rstrip().endswith("; delete it and rerun to tokenize the data again"), result.stdout
     assert arrow.read_bytes() == raw  # not silently made again

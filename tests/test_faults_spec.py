@@ -29,7 +29,9 @@ def test_resume_with_other_weights_or_token_budget_is_refused(setup, tmp_path):
     assert spec["token_budget"] == 300 and spec["target"]["weights"]["content_hashed"] is True
     (out / "manifest.json").unlink()  # as if interrupted: a rerun would resume
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(DFlashCacheError, match=r"other settings \(target\.weights\.sha256: [0-9a-f]{12}\.\.\. -> [0-9a-f]{12}"):
+    with pytest.raises(
+        DFlashCacheError, match=r"other settings \(target\.weights\.sha256: [0-9a-f]{12}\.\.\. -> [0-9a-f]{12}"
+    ):
         run_extract(other, data, out)
     with pytest.raises(DFlashCacheError, match=r"other settings \(.*token_budget: 300 -> 200\)"):
         run_extract(target, data, out, token_budget=200)
@@ -51,7 +53,10 @@ def test_resume_of_a_cache_another_format_version_started_is_refused(setup, tmp_
     run_extract(target, data, out)
     (out / "manifest.json").unlink()
     monkeypatch.undo()
-    with pytest.raises(DFlashCacheError, match=rf"other settings \(format_version: {spec_module.FORMAT_VERSION - 1} -> {spec_module.FORMAT_VERSION}\)"):
+    with pytest.raises(
+        DFlashCacheError,
+        match=rf"other settings \(format_version: {spec_module.FORMAT_VERSION - 1} -> {spec_module.FORMAT_VERSION}\)",
+    ):
         run_extract(target, data, out)
 
 

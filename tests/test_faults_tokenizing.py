@@ -61,9 +61,12 @@ def test_an_extraction_killed_while_tokenizing_leaves_no_process_no_lock_and_no_
         return [*extract_args(target, data, out), "--tokenized-dir", tokenized, "--tokenize-workers", 2]
 
     with open(tmp_path / "first.err", "w") as err:  # a file: a pipe stays open while any survivor holds it
-        first = subprocess.Popen([sys.executable, "-m", "dflash_cache_cli.main", *map(str, args(tmp_path / "cache"))],
-                                 env={**os.environ, "DFLASH_CACHE_KILL_AT": "tokenize.chunk:1:STOP"},
-                                 stdout=subprocess.DEVNULL, stderr=err)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "dflash_cache_cli.main", *map(str, args(tmp_path / "cache"))],
+            env={**os.environ, "DFLASH_CACHE_KILL_AT": "tokenize.chunk:1:STOP"},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     pool: set[int] = set()
     try:
         deadline = time.monotonic() + 240
@@ -83,8 +86,13 @@ def test_an_extraction_killed_while_tokenizing_leaves_no_process_no_lock_and_no_
         # Another --out on the same tokenized data (it waited forever), then the killed run's own --out
         # (refused, naming the dead pid).
         for out in (tmp_path / "other", tmp_path / "cache"):
-            rerun = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, args(out))],
-                                   capture_output=True, text=True, timeout=150, check=False)
+            rerun = subprocess.run(
+                [sys.executable, "-m", "dflash_cache_cli.main", *map(str, args(out))],
+                capture_output=True,
+                text=True,
+                timeout=150,
+                check=False,
+            )
             assert rerun.returncode == 0, rerun.stderr[-2000:]
         assert not [p.name for p in tokenized.iterdir() if ".tmp" in p.name]
     finally:
@@ -105,7 +113,17 @@ def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwe
     rewrite_ids(entry, lambda sid, ids: ids[::-1].copy())
     entry.with_suffix(".index.npy").unlink()
     notes = []
-    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=tmp_path / "second", layers=LAYERS,
-                           token_budget=300, tokenized_dir=tokenized, tokenize_workers=0), on_note=notes.append)
+    extract(
+        ExtractOptions(
+            target=qwen3_target_dir,
+            data=[conversations],
+            out=tmp_path / "second",
+            layers=LAYERS,
+            token_budget=300,
+            tokenized_dir=tokenized,
+            tokenize_workers=0,
+        ),
+        on_note=notes.append,
+    )
     assert_same_cache(tmp_path / "first", tmp_path / "second")
     assert notes == [f"{entry} is not the file that was written (its checksum differs); tokenizing the data again"]

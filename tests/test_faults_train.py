@@ -35,8 +35,28 @@ STEPS, SAVE_EVERY = 6, 2
 
 
 def train_args(cache, drafter, out, *extra):
-    return ["train", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS, "--save-every", SAVE_EVERY,
-            "--token-budget", 128, "--max-anchors", 8, "--eval-fraction", 0, "--workers", 2, *extra]
+    return [
+        "train",
+        "--cache",
+        cache,
+        "--drafter",
+        drafter,
+        "--out",
+        out,
+        "--steps",
+        STEPS,
+        "--save-every",
+        SAVE_EVERY,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--eval-fraction",
+        0,
+        "--workers",
+        2,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +73,14 @@ def setup(tmp_path_factory):
 def test_sigkill_then_resume_equals_uninterrupted(setup, tmp_path, kill_at, resumed_from):
     cache, drafter, whole = setup
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main", *map(str, train_args(cache, drafter, run))],
-                          env={**os.environ, "DFLASH_CACHE_KILL_AT": kill_at}, capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_cache_cli.main", *map(str, train_args(cache, drafter, run))],
+        env={**os.environ, "DFLASH_CACHE_KILL_AT": kill_at},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert latest_checkpoint(run).name == f"step-{resumed_from}"
     half_written = run / "checkpoints" / ".step-4.tmp"
@@ -111,8 +136,10 @@ def test_full_disk_while_a_checkpoint_is_written_names_the_run_and_resumes_equal
     first, then = fill_at("train.step:4", command, [*command, "--resume"], disk, tmp_path)
     error = first.stderr.strip().splitlines()[-1]
     assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-2000:]
-    assert error.startswith(f"error: writing {run / 'checkpoints' / 'step-4'} failed: No space left on device; "
-                            f"free space in {run / 'checkpoints'} (0.0 MB free now)"), error
+    assert error.startswith(
+        f"error: writing {run / 'checkpoints' / 'step-4'} failed: No space left on device; "
+        f"free space in {run / 'checkpoints'} (0.0 MB free now)"
+    ), error
     assert "rerun the same train command with --resume" in error, error
     assert sorted(p.name for p in (tmp_path / "after-first" / "run" / "checkpoints").iterdir()) == ["step-2"]
     assert then.returncode == 0, then.stderr[-2000:]
@@ -121,17 +148,22 @@ def test_full_disk_while_a_checkpoint_is_written_names_the_run_and_resumes_equal
 
 def first_exp_avg(checkpoint):
     """The safetensors key of the first parameter's exp_avg (train_state.json maps the structure to keys)."""
+
     def entry(node, key):
         return dict(node["dict"])[key]
+
     structure = json.loads((checkpoint / "train_state.json").read_text())
     moments = entry(entry(structure, "optimizer"), "state")["dict"][0][1]
     return entry(moments, "exp_avg")["tensor"]
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda t: t.flatten()[:3].clone(), r"optimizer state exp_avg of \S+ is \[3\], the parameter is \[\d+"),
-    (lambda t: torch.full_like(t, float("nan")), r"optimizer state exp_avg of \S+ holds non-finite values"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda t: t.flatten()[:3].clone(), r"optimizer state exp_avg of \S+ is \[3\], the parameter is \[\d+"),
+        (lambda t: torch.full_like(t, float("nan")), r"optimizer state exp_avg of \S+ holds non-finite values"),
+    ],
+)
 def test_a_damaged_optimizer_state_is_named_with_its_checkpoint_before_the_first_step(setup, tmp_path, damage, match):
     """It failed at the first step with a bare RuntimeError on tensor sizes, or (NaN) as a non-finite
     loss that told the user to pass --skip-nonfinite."""

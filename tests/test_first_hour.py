@@ -32,7 +32,10 @@ def mixed_conversations(path, count: int):
             if i % 2 == 0:
                 record = {"id": f"oa-{i}", "messages": messages}
             else:
-                record = {"id": i, "conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in messages]}
+                record = {
+                    "id": i,
+                    "conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in messages],
+                }
             out.write(json.dumps(record) + "\n")
     return path
 
@@ -54,8 +57,19 @@ def test_the_whole_job_with_default_options(tmp_path):
             trained = run("train", "--cache", cache, "--out", run_dir, "--steps", 5)
             exported = run("export", run_dir, "--out", export)
             offline = run("eval", "--drafter", run_dir, "--cache", cache)
-            live = run("eval", "--drafter", export, "--target", target, "--data", ASSETS / "data" / "heldout.jsonl",
-                       "--num-prompts", 1, "--max-new-tokens", 8)
+            live = run(
+                "eval",
+                "--drafter",
+                export,
+                "--target",
+                target,
+                "--data",
+                ASSETS / "data" / "heldout.jsonl",
+                "--num-prompts",
+                1,
+                "--max-new-tokens",
+                8,
+            )
     finally:
         os.umask(old_umask)
 
@@ -65,8 +79,10 @@ def test_the_whole_job_with_default_options(tmp_path):
     # The records' own ids, of both kinds, are keys of the cache beside the sample ids.
     opened = open_cache(cache)
     assert opened["oa-0"].sample_id == 0 and opened["3"].sample_id == 3 and opened[4].record_id == "oa-4"
-    assert ("drafter (the target's shape): 5 layers, hidden 256, FFN 768, 4 heads / 2 KV heads of 64, block 16, "
-            "mask token 3, reading target layers [0, 1, 2, 3]: 4.20M parameters") in trained
+    assert (
+        "drafter (the target's shape): 5 layers, hidden 256, FFN 768, 4 heads / 2 KV heads of 64, block 16, "
+        "mask token 3, reading target layers [0, 1, 2, 3]: 4.20M parameters"
+    ) in trained
     assert "9 to train on, 1 held out" in trained and "steps of 2,048 tokens per batch" in trained
     assert "memory: about " in trained and " of RAM available" in trained
     assert "step 5/5 | loss" in trained and "0.0k tok/s" not in trained and "eval @ step 5" in trained
@@ -78,6 +94,11 @@ def test_the_whole_job_with_default_options(tmp_path):
     assert "every output equal to the target's greedy output" in live and "offline tau" in live
     for path in (export / "model.safetensors", cache / "target" / "head.safetensors"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
-    ours = [w for w in caught if "past_key_values" in str(w.message) or "lr_scheduler" in str(w.message)
-            or str(w.filename).startswith(str(ASSETS.parent.parent / "dflash_cache"))]
+    ours = [
+        w
+        for w in caught
+        if "past_key_values" in str(w.message)
+        or "lr_scheduler" in str(w.message)
+        or str(w.filename).startswith(str(ASSETS.parent.parent / "dflash_cache"))
+    ]
     assert not ours, [str(w.message) for w in ours]

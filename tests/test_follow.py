@@ -35,9 +35,31 @@ def setup(tmp_path_factory):
 
 
 def train_args(cache, drafter, out, *extra, grad_accum=2):
-    return ["train", "--follow", "--cache", cache, "--drafter", drafter, "--out", out, "--steps", STEPS,
-            "--save-every", 3, "--token-budget", 512, "--grad-accum", grad_accum, "--max-anchors", 4, "--eval-fraction", 0,
-            "--workers", 2, *extra]
+    return [
+        "train",
+        "--follow",
+        "--cache",
+        cache,
+        "--drafter",
+        drafter,
+        "--out",
+        out,
+        "--steps",
+        STEPS,
+        "--save-every",
+        3,
+        "--token-budget",
+        512,
+        "--grad-accum",
+        grad_accum,
+        "--max-anchors",
+        4,
+        "--eval-fraction",
+        0,
+        "--workers",
+        2,
+        *extra,
+    ]
 
 
 class Lines:
@@ -66,10 +88,19 @@ def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2, during=No
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
     extraction = cli(*extract_args(target, data, cache), env=SLOW)
-    training = subprocess.Popen([sys.executable, "-m", *launcher, "dflash_cache_cli.main",
-                                 *map(str, train_args(cache, drafter, run, grad_accum=grad_accum))],
-                                env={**os.environ, **(train_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    training = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            *launcher,
+            "dflash_cache_cli.main",
+            *map(str, train_args(cache, drafter, run, grad_accum=grad_accum)),
+        ],
+        env={**os.environ, **(train_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     early = False
     while extraction.poll() is None:
         if not early and (run / "metrics.jsonl").is_file() and losses(run):
@@ -87,7 +118,9 @@ def test_following_trains_before_the_end_and_every_sample_once(setup, tmp_path):
     refused = []
 
     def other_readers_refuse(cache, extraction):
-        running = f"is being written by pid {extraction.pid} on {socket.gethostname()} (an extraction that has not finished)"
+        running = (
+            f"is being written by pid {extraction.pid} on {socket.gethostname()} (an extraction that has not finished)"
+        )
         for args in (["inspect", cache], ["verify", cache]):
             result = CliRunner().invoke(main, [str(a) for a in args])
             refused.append(result.exit_code == 1 and running in result.stderr)
@@ -141,9 +174,18 @@ def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup
     out.wait_for("no extraction is running on it (killed or failed?): rerun the same extract command")
     assert training.poll() is None  # waiting, not failed
 
-    timed = subprocess.run([sys.executable, "-m", "dflash_cache_cli.main",
-                            *map(str, train_args(cache, drafter, tmp_path / "other", "--follow-timeout", 2))],
-                           capture_output=True, text=True, timeout=300, check=False)
+    timed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_cache_cli.main",
+            *map(str, train_args(cache, drafter, tmp_path / "other", "--follow-timeout", 2)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert timed.returncode == 1 and timed.stderr.count("\n") == 1, timed.stderr
     assert f"--follow: nothing new in {cache} for 2 s" in timed.stderr and "no extraction is running" in timed.stderr
 
@@ -168,14 +210,18 @@ def test_two_torchrun_ranks_follow_as_one_process_with_the_same_global_batch(set
     assert first_epoch_tokens(two) == first_epoch_tokens(one) == open_cache(cache).manifest["totals"]["tokens"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--follow"], "--follow needs --steps"),
-    (["--follow", "--steps", 2, "--compile"], "--follow trains eagerly"),
-    (["--steps", 2, "--follow-timeout", 5], "--follow-timeout applies only with --follow"),
-    (["--follow", "--steps", 2, "--follow-timeout", 0], "--follow-timeout must be positive"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--follow"], "--follow needs --steps"),
+        (["--follow", "--steps", 2, "--compile"], "--follow trains eagerly"),
+        (["--steps", 2, "--follow-timeout", 5], "--follow-timeout applies only with --follow"),
+        (["--follow", "--steps", 2, "--follow-timeout", 0], "--follow-timeout must be positive"),
+    ],
+)
 def test_follow_options_are_checked_first(tmp_path, extra, message):
-    result = CliRunner().invoke(main, [str(a) for a in ["train", "--cache", tmp_path / "cache", "--out", tmp_path / "run",
-                                                          *extra]])
+    result = CliRunner().invoke(
+        main, [str(a) for a in ["train", "--cache", tmp_path / "cache", "--out", tmp_path / "run", *extra]]
+    )
     assert result.exit_code == 1 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "run").exists()

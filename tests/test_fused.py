@@ -34,8 +34,10 @@ def test_cpu_targets_keep_hf_modules(hybrid_dir):
 
 def _samples(lengths, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Sample(i, torch.randint(0, vocab, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(i, torch.randint(0, vocab, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.mark.gpu
@@ -65,8 +67,12 @@ def test_fused_packed_rows_match_hf_modules(hybrid_dir):
         with torch.inference_mode():
             alone = reference.model(input_ids=ids, output_hidden_states=True)
         for slot, layer in enumerate(layers[:2]):
-            torch.testing.assert_close(fused.hidden[0, start : start + n, slot * 64 : (slot + 1) * 64].float(),
-                                       alone.hidden_states[layer + 1][0].float(), atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(
+                fused.hidden[0, start : start + n, slot * 64 : (slot + 1) * 64].float(),
+                alone.hidden_states[layer + 1][0].float(),
+                atol=3e-2,
+                rtol=3e-2,
+            )
 
 
 def _autotuned_kernels(cache_results: bool = False):
@@ -149,8 +155,14 @@ def test_timing_by_count_picks_the_fast_configuration():
         copy[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](x, y, x.numel())
     torch.testing.assert_close(y, x)
     assert copy.best_config.kwargs["BLOCK"] == 1024
-    slow, fast = (time_by_count(lambda c=c: copy.fn.run(x, y, x.numel(), grid=(triton.cdiv(x.numel(), c.kwargs["BLOCK"]),),
-                                                        warmup=False, **c.all_kwargs()))[0] for c in configs)
+    slow, fast = (
+        time_by_count(
+            lambda c=c: copy.fn.run(
+                x, y, x.numel(), grid=(triton.cdiv(x.numel(), c.kwargs["BLOCK"]),), warmup=False, **c.all_kwargs()
+            )
+        )[0]
+        for c in configs
+    )
     assert slow > 2 * fast
 
 

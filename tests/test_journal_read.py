@@ -33,8 +33,19 @@ def test_a_torn_middle_line_is_an_error(tmp_path):
         list(read_journal(path))
 
 
-@pytest.mark.parametrize("text", ["", "\n", '{"a": 1}\n', '{"a": 1}\n{"b": ', '{"a": 1}', "x" * 300, "a\n" + "y" * 250,
-                                  "a\nb\n" + "z" * 64 + "\n" + "w" * 129])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "\n",
+        '{"a": 1}\n',
+        '{"a": 1}\n{"b": ',
+        '{"a": 1}',
+        "x" * 300,
+        "a\n" + "y" * 250,
+        "a\nb\n" + "z" * 64 + "\n" + "w" * 129,
+    ],
+)
 def test_a_torn_line_is_found_from_the_end_a_block_at_a_time(tmp_path, text):
     """cut_torn_line reads blocks from the end (here of 16 bytes, so a torn line spans several):
     what is left is the text up to its last newline, as a whole read finds it."""

@@ -21,8 +21,18 @@ def rows_of(ids):
 
 
 def shard(path, ids):
-    return {"shard": {"path": path, "rows": len(ids), "tokens": 2 * len(ids), "bytes": 10, "hidden_bytes": 8,
-                      "sha256": "0" * 64, "sample_ids": ids, "num_tokens": [2] * len(ids)}}
+    return {
+        "shard": {
+            "path": path,
+            "rows": len(ids),
+            "tokens": 2 * len(ids),
+            "bytes": 10,
+            "hidden_bytes": 8,
+            "sha256": "0" * 64,
+            "sample_ids": ids,
+            "num_tokens": [2] * len(ids),
+        }
+    }
 
 
 def write(root, journals):
@@ -32,8 +42,16 @@ def write(root, journals):
     return root
 
 
-PATHS = ["shards/r0-00000.arrow", "shards/r0-00001.arrow", "shards/r1-00000.arrow", "shards/r1-00002.arrow",
-         "shards/r1-00001.arrow", "shards/r1-2.arrow", "shards/r2-00000.arrow", "shards/x.arrow"]
+PATHS = [
+    "shards/r0-00000.arrow",
+    "shards/r0-00001.arrow",
+    "shards/r1-00000.arrow",
+    "shards/r1-00002.arrow",
+    "shards/r1-00001.arrow",
+    "shards/r1-2.arrow",
+    "shards/r2-00000.arrow",
+    "shards/x.arrow",
+]
 
 
 def committed(scan):
@@ -45,8 +63,12 @@ def done_ids(scan):
 
 
 WRITER_ORDER = {
-    "r0.jsonl": [shard("shards/r0-00000.arrow", [0, 1, 2]), shard("shards/r0-00001.arrow", [5, 6]),
-                 {"skipped": {"sample_id": 9, "reason": "nan"}}, {"target_files": {"config.json": "a" * 64}}],
+    "r0.jsonl": [
+        shard("shards/r0-00000.arrow", [0, 1, 2]),
+        shard("shards/r0-00001.arrow", [5, 6]),
+        {"skipped": {"sample_id": 9, "reason": "nan"}},
+        {"target_files": {"config.json": "a" * 64}},
+    ],
     "r1.jsonl": [shard("shards/r1-00000.arrow", [3]), shard("shards/r1-00002.arrow", [7, 100])],  # 100: not in the data
 }
 
@@ -60,16 +82,28 @@ def test_journals_as_the_writer_writes_them(tmp_path):
     assert committed(scan) == {"shards/r1-00000.arrow", "shards/r1-00002.arrow"}
     assert scan.next_index == {0: 2, 1: 3}
     everyone = scan_journals(root, rows_of, len(DATA_IDS))
-    assert committed(everyone) == {"shards/r0-00000.arrow", "shards/r0-00001.arrow", "shards/r1-00000.arrow",
-                                   "shards/r1-00002.arrow"}
+    assert committed(everyone) == {
+        "shards/r0-00000.arrow",
+        "shards/r0-00001.arrow",
+        "shards/r1-00000.arrow",
+        "shards/r1-00002.arrow",
+    }
     # The same as the whole records say.
     state = read_journals(root)
     assert done_ids(everyone) == set(state.done_ids().tolist()) & set(DATA_IDS)
     assert committed(everyone) == {s.path for s in state.shards}
 
 
-@pytest.mark.parametrize("case", ["listed twice", "in another rank's journal", "not a rank's journal name",
-                                  "indices going down", "not the writer's shard name"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "listed twice",
+        "in another rank's journal",
+        "not a rank's journal name",
+        "indices going down",
+        "not the writer's shard name",
+    ],
+)
 def test_journals_not_in_writer_order_read_as_their_whole_records_say(tmp_path, case):
     journals = {name: list(entries) for name, entries in WRITER_ORDER.items()}
     expected_done, expected_next = {0, 1, 2, 3, 5, 6, 7, 9}, {0: 2, 1: 3}
@@ -119,4 +153,3 @@ def test_row_bits_against_a_set():
     assert bits.total(values) == sum(int(values[r]) for r in reference)
     with pytest.raises(ValueError):
         bits.add(np.array([1001]))
-

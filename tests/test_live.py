@@ -22,7 +22,11 @@ SEED = 3
 def cache(qwen3_target_dir, conversations, tmp_path_factory):
     """A bf16-zstd cache extracted one sample per target forward (--token-budget 1)."""
     out = tmp_path_factory.mktemp("live") / "cache"
-    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=out, layers=LAYERS, token_budget=1, batching="padded"))
+    extract(
+        ExtractOptions(
+            target=qwen3_target_dir, data=[conversations], out=out, layers=LAYERS, token_budget=1, batching="padded"
+        )
+    )
     return out
 
 
@@ -67,9 +71,19 @@ def test_live_batches_and_losses_equal_the_cache(qwen3_target_dir, conversations
             assert x.dtype == y.dtype and torch.equal(x, y)
 
     tokenizer_mask = live.runner.target.tokenizer.mask_token_id
-    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=live.info.vocab_size, block_size=4,
-                           target_layer_ids=LAYERS, mask_token_id=tokenizer_mask, num_target_layers=6)
+    config = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=live.info.vocab_size,
+        block_size=4,
+        target_layer_ids=LAYERS,
+        mask_token_id=tokenizer_mask,
+        num_target_layers=6,
+    )
     from dflash_cache.drafter.head import TargetHead
 
     from_cache = train_losses(cached, TargetHead.load(caches.head_dir / "head.safetensors"), config, len(plan))

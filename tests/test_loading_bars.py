@@ -11,13 +11,41 @@ from tests.test_eval import random_drafter
 
 def test_extract_and_eval_show_no_weight_loading_bar(qwen3_target_dir, conversations, tmp_path):
     runner = CliRunner()
-    extracted = runner.invoke(main, ["extract", "--target", str(qwen3_target_dir), "--data", str(conversations),
-                                     "--out", str(tmp_path / "cache"), "--layers", "1,4", "--token-budget", "300"])
+    extracted = runner.invoke(
+        main,
+        [
+            "extract",
+            "--target",
+            str(qwen3_target_dir),
+            "--data",
+            str(conversations),
+            "--out",
+            str(tmp_path / "cache"),
+            "--layers",
+            "1,4",
+            "--token-budget",
+            "300",
+        ],
+    )
     assert extracted.exit_code == 0, extracted.output
     assert "done: " in extracted.output and "Loading weights" not in extracted.output, extracted.output
     drafter = random_drafter(tmp_path / "drafter", qwen3_target_dir)
-    evaluated = runner.invoke(main, ["eval", "--drafter", str(drafter), "--target", str(qwen3_target_dir),
-                                     "--data", str(conversations), "--num-prompts", "1", "--max-new-tokens", "4"])
+    evaluated = runner.invoke(
+        main,
+        [
+            "eval",
+            "--drafter",
+            str(drafter),
+            "--target",
+            str(qwen3_target_dir),
+            "--data",
+            str(conversations),
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert evaluated.exit_code == 0, evaluated.output
     assert "tau" in evaluated.output and "Loading weights" not in evaluated.output, evaluated.output
 

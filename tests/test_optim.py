@@ -54,8 +54,11 @@ def test_clipped_step_equals_clip_grad_norm_then_the_step(ours, max_norm):
     def groups(m):
         return [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}]
 
-    optimizer = (CompiledAdamW(groups(model), lr=0.1, betas=(0.9, 0.95), compile=False) if ours == "CompiledAdamW"
-                 else torch.optim.AdamW(groups(model), lr=0.1, betas=(0.9, 0.95)))
+    optimizer = (
+        CompiledAdamW(groups(model), lr=0.1, betas=(0.9, 0.95), compile=False)
+        if ours == "CompiledAdamW"
+        else torch.optim.AdamW(groups(model), lr=0.1, betas=(0.9, 0.95))
+    )
     expected = torch.optim.AdamW(groups(reference), lr=0.1, betas=(0.9, 0.95), foreach=False)
     norms = []
     for step in range(4):
@@ -108,10 +111,19 @@ def test_bf16_matrices_are_copies_of_fp32_masters_that_follow_torch_adamw():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     reference = [model.weight.detach().clone(), model.bias.detach().clone()]
-    ours = CompiledAdamW([{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}],
-                         lr=0.1, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
-    expected = torch.optim.AdamW([{"params": [reference[0]], "weight_decay": 0.1},
-                                  {"params": [reference[1]], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.95), foreach=False)
+    ours = CompiledAdamW(
+        [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}],
+        lr=0.1,
+        betas=(0.9, 0.95),
+        compile=False,
+        bf16_matrices=True,
+    )
+    expected = torch.optim.AdamW(
+        [{"params": [reference[0]], "weight_decay": 0.1}, {"params": [reference[1]], "weight_decay": 0.0}],
+        lr=0.1,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
     assert model.weight.dtype == torch.bfloat16 and model.bias.dtype == torch.float32
     for _ in range(3):
         model.weight.grad = torch.randn(4, 8).bfloat16()
@@ -135,8 +147,9 @@ def test_bf16_matrices_in_one_group_with_vectors():
     one, two = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     two.load_state_dict(one.state_dict())
     mixed = CompiledAdamW(one.parameters(), lr=0.1, weight_decay=0.0, compile=False, bf16_matrices=True)
-    apart = CompiledAdamW([{"params": [two.weight]}, {"params": [two.bias]}], lr=0.1, weight_decay=0.0, compile=False,
-                          bf16_matrices=True)
+    apart = CompiledAdamW(
+        [{"params": [two.weight]}, {"params": [two.bias]}], lr=0.1, weight_decay=0.0, compile=False, bf16_matrices=True
+    )
     for _ in range(2):
         for m in (one, two):
             m.weight.grad = torch.ones(4, 8, dtype=torch.bfloat16)
@@ -160,11 +173,14 @@ def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exac
     """A drafter whose matrices are bf16 copies: its checkpoint stores the fp32 masters as the drafter's
     weights, and a run resumed from it makes the uninterrupted run's next step exactly (masters, moments
     and bf16 weights)."""
+
     def drafter_and_optimizer():
         torch.manual_seed(0)
         model = DFlashDrafter(tiny_config(), random_head(0), tile=16)
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         optimizer = CompiledAdamW(groups, lr=1e-2, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
         return model, optimizer, build_scheduler(optimizer, 1, 10, 0.1)
 
@@ -204,13 +220,19 @@ def test_training_on_bf16_matrices_follows_fp32_weights_under_autocast(lr):
     losses are those of fp32 weights and torch's AdamW (the forward casts the matrices to the same bf16
     values, the backward gives the same gradients, the masters take the same update) to the rounding of
     fp32 sums (below). bf16 weights updated in place with no masters drift 2.5e-4 to 4.3e-4 away on the same run."""
+
     def losses(bf16_matrices: bool) -> list[float]:
         torch.manual_seed(0)
         model = DFlashDrafter(tiny_config(), random_head(0), tile=16, attention="dense")
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        optimizer = (CompiledAdamW(groups, lr=lr, betas=(0.9, 0.95), compile=False, bf16_matrices=True) if bf16_matrices
-                     else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95)))
+        groups = [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = (
+            CompiledAdamW(groups, lr=lr, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
+            if bf16_matrices
+            else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+        )
         seen = []
         for seed in range(6):
             batch = random_batch([40, 23, 31], seed=seed)

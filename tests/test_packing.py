@@ -66,8 +66,10 @@ def test_a_million_samples_run_on_a_bounded_number_of_shapes():
 
 def random_samples(lengths, vocab_size, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Sample(i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
+        for i, n in enumerate(lengths)
+    ]
 
 
 # Crosses the 64-token chunk of the linear-attention kernel, and ends on a partial row.
@@ -77,7 +79,9 @@ LENGTHS = [70, 5, 33, 130, 64]
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_packed_row_equals_each_sample_alone(target_dir, device):
     if device == "cpu" and "qwen3_5" in str(target_dir) and importlib.util.find_spec("fla") is not None:
-        pytest.skip("transformers sends the CPU reference's linear attention to flash-linear-attention, which runs on GPUs only")
+        pytest.skip(
+            "transformers sends the CPU reference's linear attention to flash-linear-attention, which runs on GPUs only"
+        )
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     target = load_target(target_dir, device, dtype, attention=ATTENTION)
     samples = random_samples(LENGTHS, target.vocab_size)
@@ -95,12 +99,15 @@ def test_packed_row_equals_each_sample_alone(target_dir, device):
         for slot, layer in enumerate([0, 2, 5]):
             expected = alone.hidden_states[layer + 1][0] if layer < 5 else None
             if expected is not None:
-                torch.testing.assert_close(out.hidden[0, start : start + n, slot * 64 : (slot + 1) * 64].float(),
-                                           expected.bfloat16().float(), **tol)
+                torch.testing.assert_close(
+                    out.hidden[0, start : start + n, slot * 64 : (slot + 1) * 64].float(),
+                    expected.bfloat16().float(),
+                    **tol,
+                )
         logits = alone.logits[0].float()
         gap = logits.amax(-1) - logits.gather(1, out.target_ids[0, start : start + n, None])[:, 0]
         assert (gap <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().amax(-1)).all()
-    assert (out.target_ids[0, sum(LENGTHS):] == -1).all()  # the padding tail is not labelled
+    assert (out.target_ids[0, sum(LENGTHS) :] == -1).all()  # the padding tail is not labelled
 
 
 def test_boundaries_are_what_keeps_samples_apart(target_dir):
@@ -114,7 +121,7 @@ def test_boundaries_are_what_keeps_samples_apart(target_dir):
     fb = PackedLayout(400).build(samples, "cpu")
     merged = fb.forward_kwargs()
     keep = [i for i, b in enumerate(fb.cu_seqlens_cpu.tolist()) if b != LENGTHS[0]]
-    merged["position_ids"] = torch.cat([torch.arange(sum(LENGTHS[:2])), fb.position_ids[0, sum(LENGTHS[:2]):]])[None]
+    merged["position_ids"] = torch.cat([torch.arange(sum(LENGTHS[:2])), fb.position_ids[0, sum(LENGTHS[:2]) :]])[None]
     merged["cu_seq_lens_q"] = merged["cu_seq_lens_k"] = fb.cu_seqlens[keep]
     merged["cu_seq_lens_cpu"] = fb.cu_seqlens_cpu[keep]
     merged["max_length_q"] = merged["max_length_k"] = max(fb.max_seqlen, sum(LENGTHS[:2]))

@@ -133,7 +133,9 @@ def test_describe_plan(data):
     )
     counted = 0
     for line in lines[1:]:
-        lo, hi, count, share = re.fullmatch(r"Bucket \d+, longest sample \[(\d+),(\d+)\) tokens: (\d+) batches \(([\d.]+)%\)", line).groups()
+        lo, hi, count, share = re.fullmatch(
+            r"Bucket \d+, longest sample \[(\d+),(\d+)\) tokens: (\d+) batches \(([\d.]+)%\)", line
+        ).groups()
         in_bucket = [b for b in batches if int(lo) <= max(length_of[i] for i in b) < int(hi)]
         assert len(in_bucket) == int(count) and float(share) == round(100 * int(count) / len(batches), 1)
         counted += int(count)

@@ -82,7 +82,11 @@ def old_plan_batches(sample_ids, lengths, token_budget, seed, epoch=0):
     batches = []
     for k in np.unique(bucket)[::-1] if rng is None else np.unique(bucket):
         members = np.flatnonzero(bucket == k)
-        members = members[np.lexsort((ids[members], lens[members]))] if rng is None else members[rng.permutation(len(members))]
+        members = (
+            members[np.lexsort((ids[members], lens[members]))]
+            if rng is None
+            else members[rng.permutation(len(members))]
+        )
         batch, tokens = [], 0
         for sid, n in zip(ids[members].tolist(), lens[members].tolist()):
             if batch and tokens + n > token_budget:
@@ -98,4 +102,6 @@ def old_plan_batches(sample_ids, lengths, token_budget, seed, epoch=0):
 def test_training_plans_equal_the_old_lists(seed):
     ids, lengths = data(4000, 3)
     for budget, epoch in ((16384, 0), (16384, 2), (3000, 1)):
-        assert list(plan_batches(ids, lengths, budget, seed, epoch)) == old_plan_batches(ids, lengths, budget, seed, epoch)
+        assert list(plan_batches(ids, lengths, budget, seed, epoch)) == old_plan_batches(
+            ids, lengths, budget, seed, epoch
+        )

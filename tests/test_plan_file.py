@@ -70,12 +70,16 @@ def damaged(path, data):
     empty_batch[2] = empty_batch[1]
     yield "cut", path.read_bytes()[:200]
     yield "empty", b""
-    yield from [("a sample twice", np.concatenate([[batches], starts, twice])),
-                ("a foreign id", np.concatenate([[batches], starts, foreign])),
-                ("an empty batch", np.concatenate([[batches], empty_batch, ids])),
-                ("a batch count that does not fit", np.concatenate([[batches + 1], starts, ids])),
-                ("int32", good.astype(np.int32)), ("2-D", good.reshape(1, -1)),
-                ("big-endian", good.astype(">i8")), ("of other data", good[: -1])]
+    yield from [
+        ("a sample twice", np.concatenate([[batches], starts, twice])),
+        ("a foreign id", np.concatenate([[batches], starts, foreign])),
+        ("an empty batch", np.concatenate([[batches], empty_batch, ids])),
+        ("a batch count that does not fit", np.concatenate([[batches + 1], starts, ids])),
+        ("int32", good.astype(np.int32)),
+        ("2-D", good.reshape(1, -1)),
+        ("big-endian", good.astype(">i8")),
+        ("of other data", good[:-1]),
+    ]
     assert n == len(ids)
     yield "pickled objects", np.array([{"x": 1}] * 4, dtype=object)
 
@@ -135,7 +139,10 @@ def test_the_index_is_made_when_missing_and_again_when_damaged(data_file, tokeni
     store = again.samples(ids)
     for row, sid in enumerate(ids):
         sample = store[sid]
-        assert sample.input_ids.tolist() == table["input_ids"][row] and sample.loss_mask.tolist() == table["loss_mask"][row]
+        assert (
+            sample.input_ids.tolist() == table["input_ids"][row]
+            and sample.loss_mask.tolist() == table["loss_mask"][row]
+        )
         assert sample.record_id == table["id"][row]
 
 

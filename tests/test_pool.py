@@ -88,13 +88,15 @@ def test_pool_size_must_be_positive():
 
 
 def run_script(script: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_running_out_of_descriptors_names_the_limit(tmp_path):
     write_random_cache(tmp_path, [3] * 40, rows_per_shard=1)
-    result = run_script(f"""
+    result = run_script(
+        f"""
         import resource
         from pathlib import Path
         from dflash_cache import DFlashCacheError
@@ -106,7 +108,9 @@ def test_running_out_of_descriptors_names_the_limit(tmp_path):
                 readers.append(ShardReader(path))
         except DFlashCacheError as e:
             print("ERROR", e)
-    """, 60)
+    """,
+        60,
+    )
     assert "ERROR out of file descriptors opening a shard (ulimit -n is 30)" in result.stdout, result.stderr
     assert "--max-open-shards" in result.stdout
 
@@ -123,7 +127,8 @@ def test_training_on_5000_shards_under_ulimit_256_keeps_the_pool_bound(tmp_path)
     write_one_row_shards(cache, lengths, spec)
     write_head(cache)
     drafter_json(tmp_path / "drafter.json")
-    result = run_script(f"""
+    result = run_script(
+        f"""
         import json, os, resource, threading, time
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
         from dflash_cache.train.config import TrainConfig
@@ -152,7 +157,9 @@ def test_training_on_5000_shards_under_ulimit_256_keeps_the_pool_bound(tmp_path)
         train(cfg, echo=lambda line: None)
         stop.set()
         print(json.dumps({{"peak": peak[0], "after": count()}}))
-    """, 300)
+    """,
+        300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = __import__("json").loads(result.stdout.strip().splitlines()[-1])
     # One descriptor of slack: a pass over the descriptors is not atomic, and a descriptor another
@@ -178,12 +185,35 @@ def test_train_with_defaults_on_700_shards_under_a_soft_limit_of_128(tmp_path):
     drafter_json(tmp_path / "drafter.json")
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     result = subprocess.run(
-        [sys.executable, "-m", "dflash_cache_cli.main", "train", "--cache", str(cache), "--out", str(tmp_path / "run"),
-         "--drafter", str(tmp_path / "drafter.json"), "--steps", "2", "--token-budget", "400", "--max-anchors", "2",
-         "--eval-fraction", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard)))
+        [
+            sys.executable,
+            "-m",
+            "dflash_cache_cli.main",
+            "train",
+            "--cache",
+            str(cache),
+            "--out",
+            str(tmp_path / "run"),
+            "--drafter",
+            str(tmp_path / "drafter.json"),
+            "--steps",
+            "2",
+            "--token-budget",
+            "400",
+            "--max-anchors",
+            "2",
+            "--eval-fraction",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard)),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("at most 32 shard files open at once (not 128): a quarter of this process's limit of 128 file "
-            "descriptors; raise `ulimit -n` or set --max-open-shards") in result.stdout
+    assert (
+        "at most 32 shard files open at once (not 128): a quarter of this process's limit of 128 file "
+        "descriptors; raise `ulimit -n` or set --max-open-shards"
+    ) in result.stdout
     assert "step 2/2 | loss" in result.stdout

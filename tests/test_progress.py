@@ -12,7 +12,9 @@ def test_lines_come_on_a_timer_even_without_updates_and_once_at_close():
     log.update(samples=4, tokens=400, bytes=2_500_000_000)
     log.close()
     last = lines[-1]
-    assert re.fullmatch(r"extract: 4/10 samples, [\d,]+ tokens/s, 2\.50 GB written, 0:00:00 elapsed, ETA 0:00:0\d", last), last
+    assert re.fullmatch(
+        r"extract: 4/10 samples, [\d,]+ tokens/s, 2\.50 GB written, 0:00:00 elapsed, ETA 0:00:0\d", last
+    ), last
     count = len(lines)
     time.sleep(0.12)
     assert len(lines) == count  # stopped

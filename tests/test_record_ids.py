@@ -33,13 +33,16 @@ def write_lines(path: Path, objects) -> Path:
 
 
 def test_jsonl_ids_of_every_form_are_kept_as_text(tmp_path):
-    path = write_lines(tmp_path / "d.jsonl", [
-        {"id": "oa-0", "messages": TALK},
-        {"id": 7, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]},
-        {"messages": TALK},
-        {"id": None, "input_ids": [1, 2]},
-        {"id": -3, "input_ids": [1, 2]},
-    ])
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            {"id": "oa-0", "messages": TALK},
+            {"id": 7, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]},
+            {"messages": TALK},
+            {"id": None, "input_ids": [1, 2]},
+            {"id": -3, "input_ids": [1, 2]},
+        ],
+    )
     assert [r.record_id for r in read_records(path)] == ["oa-0", "7", None, None, "-3"]
 
 
@@ -58,14 +61,19 @@ def test_an_overlong_id_is_refused(tmp_path):
         list(read_records(path))
 
 
-@pytest.mark.parametrize("ids, kind, expected", [
-    (["a", None, "c"], pa.string(), ["a", None, "c"]),
-    ([10, 11, None], pa.int64(), ["10", "11", None]),
-    (["x", "y", "z"], pa.large_string(), ["x", "y", "z"]),
-])
+@pytest.mark.parametrize(
+    "ids, kind, expected",
+    [
+        (["a", None, "c"], pa.string(), ["a", None, "c"]),
+        ([10, 11, None], pa.int64(), ["10", "11", None]),
+        (["x", "y", "z"], pa.large_string(), ["x", "y", "z"]),
+    ],
+)
 def test_parquet_id_column(tmp_path, ids, kind, expected):
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"input_ids": pa.array([[1], [2, 3], [4]], pa.list_(pa.int32())), "id": pa.array(ids, kind)}), path)
+    pq.write_table(
+        pa.table({"input_ids": pa.array([[1], [2, 3], [4]], pa.list_(pa.int32())), "id": pa.array(ids, kind)}), path
+    )
     assert [r.record_id for r in read_records(path)] == expected
 
 
@@ -77,8 +85,9 @@ def test_an_id_column_of_another_type_is_an_error_naming_it(tmp_path):
 
 
 def test_tokenized_data_keeps_ids_and_an_old_file_without_them_is_rebuilt(tmp_path, tokenizer, monkeypatch):
-    data = write_lines(tmp_path / "d.jsonl", [{"id": "oa-0", "messages": TALK}, {"messages": TALK},
-                                              {"id": 2, "input_ids": [5, 6, 7]}])
+    data = write_lines(
+        tmp_path / "d.jsonl", [{"id": "oa-0", "messages": TALK}, {"messages": TALK}, {"id": 2, "input_ids": [5, 6, 7]}]
+    )
     folder = tmp_path / "tok"
     built = tokenized_data([data], tokenizer, 64, "t" * 64, folder, workers=0)
     store = built.samples(built.sample_ids)
@@ -116,12 +125,18 @@ def test_an_unknown_key_is_one_line_naming_it_and_the_keys_there_are(tmp_path):
     cache = open_cache(tmp_path / "c")
     with pytest.raises(UnknownSample) as e:
         cache["oa-9"]
-    assert str(e.value) == (f"no record id 'oa-9' in {tmp_path / 'c'}: keys are integer sample ids 0..2 (the records' "
-                            "numbers in the --data files, from 0) and 2 record ids (the records' own `id`, as strings, e.g. 'oa-0')")
+    assert str(e.value) == (
+        f"no record id 'oa-9' in {tmp_path / 'c'}: keys are integer sample ids 0..2 (the records' "
+        "numbers in the --data files, from 0) and 2 record ids (the records' own `id`, as strings, e.g. 'oa-0')"
+    )
     assert isinstance(e.value, KeyError) and isinstance(e.value, DFlashCacheError)
-    with pytest.raises(UnknownSample, match=r"^no sample 7 in .* \(there is a record id '7': give it as a string\): keys are"):
+    with pytest.raises(
+        UnknownSample, match=r"^no sample 7 in .* \(there is a record id '7': give it as a string\): keys are"
+    ):
         cache[7]
-    with pytest.raises(UnknownSample, match=r"^no record id '2' in .* \(there is a sample id 2: give it as an integer\): keys"):
+    with pytest.raises(
+        UnknownSample, match=r"^no record id '2' in .* \(there is a sample id 2: give it as an integer\): keys"
+    ):
         cache["2"]
     with pytest.raises(UnknownSample, match=r"^1\.0 is not a key of"):
         cache[1.0]
@@ -131,7 +146,9 @@ def test_an_id_several_records_share_names_them_all(tmp_path):
     write_random_cache(tmp_path / "c", [4, 5, 6, 3], record_ids=["0", "1", "0", "x"])  # two files both from 0
     cache = open_cache(tmp_path / "c")
     assert cache["x"].sample_id == 3 and cache["1"].sample_id == 1
-    with pytest.raises(UnknownSample, match=r"record id '0' is the id of 2 records of .* \(sample ids 0, 2\); look one up by"):
+    with pytest.raises(
+        UnknownSample, match=r"record id '0' is the id of 2 records of .* \(sample ids 0, 2\); look one up by"
+    ):
         cache["0"]
     assert cache[0].record_id == cache[2].record_id == "0"
     assert cache.record_ids()["0"] == [0, 2]
@@ -172,16 +189,41 @@ def test_a_cache_of_format_1_reads_without_record_ids(tmp_path):
 
 @pytest.mark.slow
 def test_ids_from_jsonl_and_parquet_through_extract_to_lookup_and_inspect(qwen3_target_dir, tmp_path):
-    conversations = write_lines(tmp_path / "c.jsonl", [
-        {"id": "oa-0", "messages": TALK}, {"id": 1, "messages": TALK}, {"messages": TALK},
-        {"id": "sg-3", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "an answer"}]}])
+    conversations = write_lines(
+        tmp_path / "c.jsonl",
+        [
+            {"id": "oa-0", "messages": TALK},
+            {"id": 1, "messages": TALK},
+            {"messages": TALK},
+            {"id": "sg-3", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "an answer"}]},
+        ],
+    )
     tokens = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"input_ids": pa.array([[5, 6, 7], [8, 9]], pa.list_(pa.int32())),
-                             "id": pa.array([100, None], pa.int64())}), tokens)
+    pq.write_table(
+        pa.table(
+            {"input_ids": pa.array([[5, 6, 7], [8, 9]], pa.list_(pa.int32())), "id": pa.array([100, None], pa.int64())}
+        ),
+        tokens,
+    )
     cache_dir = tmp_path / "cache"
-    result = CliRunner().invoke(main, ["extract", "--target", str(qwen3_target_dir), "--data", str(conversations),
-                                       "--data", str(tokens), "--out", str(cache_dir), "--layers", "1",
-                                       "--token-budget", "512"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "extract",
+            "--target",
+            str(qwen3_target_dir),
+            "--data",
+            str(conversations),
+            "--data",
+            str(tokens),
+            "--out",
+            str(cache_dir),
+            "--layers",
+            "1",
+            "--token-budget",
+            "512",
+        ],
+    )
     assert result.exit_code == 0, result.output
     cache = open_cache(cache_dir)
     assert [cache.record_id(i) for i in range(6)] == ["oa-0", "1", None, "sg-3", "100", None]
@@ -192,6 +234,8 @@ def test_ids_from_jsonl_and_parquet_through_extract_to_lookup_and_inspect(qwen3_
     assert "record ids:   4 of 6 samples (e.g. 'oa-0'), each naming one sample" in shown.output
     missing = CliRunner().invoke(main, ["inspect", str(cache_dir), "--record", "oa-9"])
     assert missing.exit_code == 1 and "no record id 'oa-9'" in missing.output and len(missing.output.splitlines()) == 1
-    by_id, by_number = (CliRunner().invoke(main, ["inspect", str(cache_dir), *key]) for key in (["--record", "sg-3"], ["--sample", "3"]))
+    by_id, by_number = (
+        CliRunner().invoke(main, ["inspect", str(cache_dir), *key]) for key in (["--record", "sg-3"], ["--sample", "3"])
+    )
     assert by_id.exit_code == 0, by_id.output
     assert by_id.output == by_number.output and "sample:       3 (record id 'sg-3')" in by_id.output

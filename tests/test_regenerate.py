@@ -67,8 +67,12 @@ def test_turns_all_sees_new_earlier_turns_and_last_keeps_them():
     assert [m.get("content") for m in out] == ["sys", "q1", "new 1", "q2", "new 2"]
     assert out[2] == {"role": "assistant", "content": "new 1", "reasoning_content": "why 1"}
     # the second request sees the first new answer, without its reasoning
-    assert seen[1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
-                       {"role": "assistant", "content": "new 1"}, {"role": "user", "content": "q2"}]
+    assert seen[1] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "new 1"},
+        {"role": "user", "content": "q2"},
+    ]
     assert len(completions) == 2
 
     seen.clear()
@@ -108,10 +112,24 @@ def test_a_second_run_into_one_output_is_refused_while_the_first_writes(tmp_path
     path = tmp_path / "out.jsonl"
     with ResponsesFile(path, settings) as first:
         first.append(_record("elsewhere.jsonl:1", settings))
-        result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(path), "--max-tokens", "8",
-                                           "--server", f"http://127.0.0.1:{free_port()}"])
+        result = CliRunner().invoke(
+            main,
+            [
+                "regenerate",
+                "--data",
+                str(data),
+                "--out",
+                str(path),
+                "--max-tokens",
+                "8",
+                "--server",
+                f"http://127.0.0.1:{free_port()}",
+            ],
+        )
         assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
-        assert f"error: {path} is being written by another regenerate run; wait for it or stop it first" in result.stderr
+        assert (
+            f"error: {path} is being written by another regenerate run; wait for it or stop it first" in result.stderr
+        )
     assert path.read_text().count("\n") == 1
     with ResponsesFile(path, settings) as again:  # free once the first is closed
         assert again.done == {"elsewhere.jsonl:1"}
@@ -121,20 +139,27 @@ def test_a_run_that_fails_before_writing_leaves_no_output_file(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", [conversation("q", "old")])
     dead = f"http://127.0.0.1:{free_port()}"
     for target in (["--server", dead], ["--target", str(tmp_path / "no-such-model")]):
-        result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), *target])
+        result = CliRunner().invoke(
+            main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), *target]
+        )
         assert result.exit_code == 1 and not (tmp_path / "o.jsonl").exists(), result.output
     settings = GenerationSettings()
     with ResponsesFile(tmp_path / "kept.jsonl", settings) as out:
         out.append(_record("elsewhere.jsonl:1", settings))
     before = (tmp_path / "kept.jsonl").read_bytes()
-    result = CliRunner().invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "kept.jsonl"), "--server", dead])
+    result = CliRunner().invoke(
+        main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "kept.jsonl"), "--server", dead]
+    )
     assert result.exit_code == 1 and (tmp_path / "kept.jsonl").read_bytes() == before
 
 
 def test_settings_are_checked():
     with pytest.raises(DFlashCacheError, match="contradicts enable_thinking=True"):
         GenerationSettings(reasoning="off", chat_template_kwargs={"enable_thinking": True})
-    assert GenerationSettings(reasoning="off", chat_template_kwargs={"x": 1}).template_kwargs() == {"x": 1, "enable_thinking": False}
+    assert GenerationSettings(reasoning="off", chat_template_kwargs={"x": 1}).template_kwargs() == {
+        "x": 1,
+        "enable_thinking": False,
+    }
     with pytest.raises(DFlashCacheError, match="--max-tokens must be at least 1"):
         GenerationSettings(max_tokens=0)
 
@@ -148,8 +173,16 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     records[0]["id"] = 40  # a record's own id is written with its answer
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "out.jsonl"
-    summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[a.url, b.url + "/v1/"], concurrency=4,
-                                           settings=GenerationSettings(max_tokens=16), retry=FAST))
+    summary = regenerate(
+        RegenerateOptions(
+            data=[data],
+            out=out,
+            servers=[a.url, b.url + "/v1/"],
+            concurrency=4,
+            settings=GenerationSettings(max_tokens=16),
+            retry=FAST,
+        )
+    )
     assert (summary.records, summary.turns, summary.tokens, summary.finish_reasons) == (13, 14, 42, {"stop": 14})
     assert a.requests and b.requests and len(a.requests) + len(b.requests) == 14
     assert max(a.max_in_flight, b.max_in_flight) >= 2
@@ -158,10 +191,18 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     written = {r["source"]: r for r in read_jsonl(out)}
     assert set(written) == {f"{data}:{i}" for i in range(1, 14)}
     first = written[f"{data}:1"]
-    assert first["messages"] == [{"role": "user", "content": "question 0"},
-                                 {"role": "assistant", "content": "re: question 0", "reasoning_content": "thinking about question 0"}]
-    assert first["generation"] == {"max_tokens": 16, "temperature": 0.0, "reasoning": "auto", "turns": "all",
-                                   "chat_template_kwargs": {}, "model": "scripted"}
+    assert first["messages"] == [
+        {"role": "user", "content": "question 0"},
+        {"role": "assistant", "content": "re: question 0", "reasoning_content": "thinking about question 0"},
+    ]
+    assert first["generation"] == {
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "reasoning": "auto",
+        "turns": "all",
+        "chat_template_kwargs": {},
+        "model": "scripted",
+    }
     assert first["regenerated"] == [{"turn": 1, "finish_reason": "stop", "completion_tokens": 3}]
     assert [m["content"] for m in written[f"{data}:13"]["messages"]] == ["q1", "re: q1", "q2", "re: q2"]
     assert first["id"] == "40" and "id" not in written[f"{data}:2"]
@@ -170,8 +211,9 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     assert read["1"][1]["role"] == "assistant" and read["1"][1]["content"].startswith("re: question ")
     assert {r.record_id for r in read_records(out)} == {"40", None}
 
-    again = regenerate(RegenerateOptions(data=[data], out=out, servers=[a.url], retry=FAST,
-                                         settings=GenerationSettings(max_tokens=16)))
+    again = regenerate(
+        RegenerateOptions(data=[data], out=out, servers=[a.url], retry=FAST, settings=GenerationSettings(max_tokens=16))
+    )
     assert (again.records, again.already_done) == (0, 13) and len(a.requests) + len(b.requests) == 14
 
 
@@ -193,8 +235,11 @@ def test_no_lane_sends_another_request_after_one_that_stops_the_run(tmp_path, se
     data = write_jsonl(tmp_path / "data.jsonl", [conversation(f"q{i}", "old") for i in range(3)])
     refusing = servers(fail_first=1, fail_status=400)
     with pytest.raises(DFlashCacheError, match="HTTP 400"):
-        regenerate(RegenerateOptions(data=[data], out=tmp_path / "out.jsonl", servers=[refusing.url], concurrency=1,
-                                     retry=FAST))
+        regenerate(
+            RegenerateOptions(
+                data=[data], out=tmp_path / "out.jsonl", servers=[refusing.url], concurrency=1, retry=FAST
+            )
+        )
     assert len(refusing.requests) == 1
 
 
@@ -207,13 +252,17 @@ def test_a_request_that_keeps_failing_stops_the_run_or_is_skipped_and_listed(tmp
     assert len(refusing.requests) == 1
 
     down = servers(fail_first=99, fail_status=503)
-    summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[down.url], concurrency=1, retry=FAST,
-                                           on_error="skip"))
+    summary = regenerate(
+        RegenerateOptions(data=[data], out=out, servers=[down.url], concurrency=1, retry=FAST, on_error="skip")
+    )
     assert summary.records == 0 and len(summary.skipped) == 3 and len(down.requests) == 9
-    assert summary.skipped[0] == (f"{data}:1", f"failed after 3 attempt(s): {down.url}/v1: HTTP 503 "
-                                               '({"error": "scripted failure 1"}); '
-                                               f'{down.url}/v1: HTTP 503 ({{"error": "scripted failure 2"}}); '
-                                               f'{down.url}/v1: HTTP 503 ({{"error": "scripted failure 3"}})')
+    assert summary.skipped[0] == (
+        f"{data}:1",
+        f"failed after 3 attempt(s): {down.url}/v1: HTTP 503 "
+        '({"error": "scripted failure 1"}); '
+        f'{down.url}/v1: HTTP 503 ({{"error": "scripted failure 2"}}); '
+        f'{down.url}/v1: HTTP 503 ({{"error": "scripted failure 3"}})',
+    )
     good = servers()
     summary = regenerate(RegenerateOptions(data=[data], out=out, servers=[good.url], retry=FAST, on_error="skip"))
     assert summary.records == 3 and not summary.skipped
@@ -230,17 +279,43 @@ def test_cli_names_a_server_that_is_down_and_prints_a_summary(tmp_path, servers)
     data = write_jsonl(tmp_path / "data.jsonl", [conversation("q", "old")])
     runner = CliRunner()
     dead = f"http://127.0.0.1:{free_port()}"
-    result = runner.invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--server", dead])
+    result = runner.invoke(
+        main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--server", dead]
+    )
     assert result.exit_code == 1
     assert result.stderr.splitlines()[-1].startswith(f"error: server {dead}/v1 is not reachable (connection refused")
-    result = runner.invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
-                                  "--server", servers().url, "--max-tokens", "8"])
+    result = runner.invoke(
+        main,
+        [
+            "regenerate",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--server",
+            servers().url,
+            "--max-tokens",
+            "8",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "done: 1 records written (0 were already there), 1 turns, 3 tokens" in result.stdout
     assert "finish reasons: stop 1; 0 turn(s) hit --max-tokens 8" in result.stdout
     assert "failures: 0 record(s) skipped" in result.stdout
-    result = runner.invoke(main, ["regenerate", "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
-                                  "--server", servers().url, "--turns", "last"])
+    result = runner.invoke(
+        main,
+        [
+            "regenerate",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--server",
+            servers().url,
+            "--turns",
+            "last",
+        ],
+    )
     assert result.exit_code == 1 and "other settings (max_tokens: 8 -> 4096; turns: 'all' -> 'last')" in result.stderr
 
 
@@ -261,9 +336,12 @@ def _greedy_reference(records: list[dict], max_new_tokens: int) -> list[list[dic
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, return_dict=True,
-                                                   return_tensors="pt")
-            ids = model.generate(**prompt, do_sample=False, max_new_tokens=max_new_tokens)[0, prompt["input_ids"].shape[1]:]
+            prompt = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+            )
+            ids = model.generate(**prompt, do_sample=False, max_new_tokens=max_new_tokens)[
+                0, prompt["input_ids"].shape[1] :
+            ]
             messages[i] = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
         out.append(messages)
     return out
@@ -283,17 +361,21 @@ def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tm
     settings = GenerationSettings(max_tokens=40)
 
     served = tmp_path / "served.jsonl"
-    summary = regenerate(RegenerateOptions(data=[data], out=served, servers=[transformers_serve], concurrency=3,
-                                           settings=settings))
+    summary = regenerate(
+        RegenerateOptions(data=[data], out=served, servers=[transformers_serve], concurrency=3, settings=settings)
+    )
     assert summary.records == 6 and summary.turns == 10
     by_source = {r["source"]: r for r in read_jsonl(served)}
     assert [by_source[f"{data}:{i}"]["messages"] for i in range(1, 7)] == expected
-    assert summary.finish_reasons["length"] == sum(r["regenerated"][k]["completion_tokens"] == 40
-                                                   for r in by_source.values() for k in range(len(r["regenerated"])))
+    assert summary.finish_reasons["length"] == sum(
+        r["regenerated"][k]["completion_tokens"] == 40 for r in by_source.values() for k in range(len(r["regenerated"]))
+    )
 
     local = tmp_path / "local.jsonl"
     regenerate(RegenerateOptions(data=[data], out=local, target=TARGET, settings=settings))
-    assert [r["messages"] for r in sorted(read_jsonl(local), key=lambda r: int(r["source"].rsplit(":", 1)[1]))] == expected
+    assert [
+        r["messages"] for r in sorted(read_jsonl(local), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
+    ] == expected
 
 
 def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_path, monkeypatch):
@@ -304,13 +386,18 @@ def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_
 
     batches = []
     generate = local._Replica.generate
-    monkeypatch.setattr(local._Replica, "generate", lambda self, prompts, *a: batches.append(len(prompts)) or generate(self, prompts, *a))
+    monkeypatch.setattr(
+        local._Replica,
+        "generate",
+        lambda self, prompts, *a: batches.append(len(prompts)) or generate(self, prompts, *a),
+    )
     records = [{"messages": r["messages"][:2]} for r in _bundled([1, 2, 3, 4, 5, 6, 7])]
     records[2] = {"messages": records[2]["messages"][:1]}  # prompt only
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "out.jsonl"
-    summary = regenerate(RegenerateOptions(data=[data], out=out, target=TARGET, limit=6,
-                                           settings=GenerationSettings(max_tokens=12)))
+    summary = regenerate(
+        RegenerateOptions(data=[data], out=out, target=TARGET, limit=6, settings=GenerationSettings(max_tokens=12))
+    )
     assert summary.records == 6 and max(batches) > 1
     expected = _greedy_reference(records[:6], max_new_tokens=12)
     written = sorted(read_jsonl(out), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
@@ -328,12 +415,16 @@ def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
-    prompts = [tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
-               for r in _bundled([1, 2, 3, 4, 5])]
+    prompts = [
+        tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+        for r in _bundled([1, 2, 3, 4, 5])
+    ]
 
     def alone(prompt, eos):
-        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
-        return ids[0, len(prompt):].tolist()
+        ids = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=0
+        )
+        return ids[0, len(prompt) :].tolist()
 
     first = [alone(p, tokenizer.eos_token_id) for p in prompts]
     ends = sorted({row[2 + 3 * i] for i, row in enumerate(first)} | {tokenizer.eos_token_id})  # rows end early, apart
@@ -350,14 +441,27 @@ def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
     penalised = [alone(p, ends) for p in prompts]
     assert penalised != expected
     assert [a.content for a in replica.generate(prompts, GenerationSettings(max_tokens=16), "m")] == [
-        tokenizer.decode(e, skip_special_tokens=True) for e in penalised]
+        tokenizer.decode(e, skip_special_tokens=True) for e in penalised
+    ]
 
 
 @pytest.mark.slow
 def test_kill_9_part_way_then_rerun_gives_the_uninterrupted_file(tmp_path, transformers_serve):
     data = write_jsonl(tmp_path / "data.jsonl", _bundled(list(range(5, 17))))
-    command = [sys.executable, "-m", "dflash_cache_cli.main", "regenerate", "--data", str(data), "--server",
-               transformers_serve, "--max-tokens", "48", "--concurrency", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_cache_cli.main",
+        "regenerate",
+        "--data",
+        str(data),
+        "--server",
+        transformers_serve,
+        "--max-tokens",
+        "48",
+        "--concurrency",
+        "2",
+    ]
     whole = tmp_path / "whole.jsonl"
     subprocess.run(command + ["--out", str(whole)], check=True, capture_output=True)
 
@@ -384,10 +488,27 @@ def test_ctrl_c_of_the_in_process_target_is_one_line_and_exit_130(tmp_path):
     "terminate called without an active exception", exit 134); the rerun does the rest."""
     data = write_jsonl(tmp_path / "data.jsonl", _bundled(list(range(1, 17))))
     out = tmp_path / "out.jsonl"
-    command = [sys.executable, "-m", "dflash_cache_cli.main", "regenerate", "--data", str(data), "--out", str(out),
-               "--target", str(TARGET), "--max-tokens", "64"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's & ignores it
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_cache_cli.main",
+        "regenerate",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--target",
+        str(TARGET),
+        "--max-tokens",
+        "64",
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # a shell's & ignores it
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be interrupted"
@@ -409,13 +530,30 @@ def test_requests_carry_tool_call_arguments_as_json_text(tmp_path):
     from dflash_cache.regenerate.conversations import read_jobs, request_messages
 
     path = tmp_path / "calls.jsonl"
-    path.write_text(_json.dumps({"messages": [
-        {"role": "user", "content": "add"},
-        {"role": "assistant", "content": None, "reasoning_content": "r",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"},
-        {"role": "assistant", "content": "1"}]}) + "\n")
+    path.write_text(
+        _json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "add"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "reasoning_content": "r",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                    {"role": "assistant", "content": "1"},
+                ]
+            }
+        )
+        + "\n"
+    )
     (job,) = read_jobs([path])
     sent = _json.loads(_json.dumps(request_messages(job.messages[:3])))
-    assert sent[1] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}
+    assert sent[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+    }

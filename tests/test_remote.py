@@ -26,8 +26,15 @@ SHARD_BYTES = int(0.02 * (1 << 20))  # 13 shards for the 16 samples below
 
 
 def run_extract(target, data, out, staging):
-    opts = ExtractOptions(target=target, data=[data], out=out, layers=LAYERS, token_budget=300,
-                          max_shard_bytes=SHARD_BYTES, staging=staging)
+    opts = ExtractOptions(
+        target=target,
+        data=[data],
+        out=out,
+        layers=LAYERS,
+        token_budget=300,
+        max_shard_bytes=SHARD_BYTES,
+        staging=staging,
+    )
     return extract(opts)
 
 
@@ -37,8 +44,11 @@ def setup(tmp_path_factory):
     target = build_target(root / "target", "qwen3")
     data = write_conversations(root / "data.jsonl", count=16, seed=3)
     reference = root / "reference"
-    extract(ExtractOptions(target=target, data=[data], out=reference, layers=LAYERS, token_budget=300,
-                           max_shard_bytes=SHARD_BYTES))
+    extract(
+        ExtractOptions(
+            target=target, data=[data], out=reference, layers=LAYERS, token_budget=300, max_shard_bytes=SHARD_BYTES
+        )
+    )
     return target, data, reference
 
 
@@ -59,13 +69,15 @@ def s3_cache(setup, s3_server, tmp_path_factory):  # noqa: F811
 
 def objects(url: str) -> dict[str, bytes]:
     fs, root = fsspec.core.url_to_fs(url)
-    return {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root)}
+    return {p[len(root) + 1 :]: fs.cat_file(p) for p in fs.find(root)}
 
 
 def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
     _, _, reference = setup
     url, staging, uploads = s3_cache
-    assert uploads[-1] == "manifest.json" and uploads.index("target/head.safetensors") < uploads.index("shards/r0-00000.arrow")
+    assert uploads[-1] == "manifest.json" and uploads.index("target/head.safetensors") < uploads.index(
+        "shards/r0-00000.arrow"
+    )
     assert_same_cache(reference, url)  # sample by sample, then verify_cache on the remote cache
     stored = objects(url)
     assert stored["manifest.json"] == (reference / "manifest.json").read_bytes()
@@ -80,12 +92,22 @@ def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
     assert not any(SECRET.encode() in blob for blob in stored.values())
     assert not any(SECRET.encode() in p.read_bytes() for p in staging.rglob("*") if p.is_file())
 
-    drafter = drafter_json(tmp_path / "drafter.json", hidden_size=64, vocab_size=384, target_layer_ids=LAYERS,
-                           mask_token_id=build_tokenizer().mask_token_id)
-    for name, cache, extra in (("local", reference, {}), ("s3", url, {}),
-                               ("s3-fetched", url, {"local_cache": str(tmp_path / "shards"), "local_cache_bytes": 1 << 20})):
-        train(tiny_config(tmp_path, cache, out=name, steps=3, drafter=str(drafter), token_budget=512, **extra),
-              echo=lambda s: None)
+    drafter = drafter_json(
+        tmp_path / "drafter.json",
+        hidden_size=64,
+        vocab_size=384,
+        target_layer_ids=LAYERS,
+        mask_token_id=build_tokenizer().mask_token_id,
+    )
+    for name, cache, extra in (
+        ("local", reference, {}),
+        ("s3", url, {}),
+        ("s3-fetched", url, {"local_cache": str(tmp_path / "shards"), "local_cache_bytes": 1 << 20}),
+    ):
+        train(
+            tiny_config(tmp_path, cache, out=name, steps=3, drafter=str(drafter), token_budget=512, **extra),
+            echo=lambda s: None,
+        )
     assert len(losses(tmp_path / "local")) == 3
     assert losses(tmp_path / "s3") == losses(tmp_path / "local") == losses(tmp_path / "s3-fetched")
 
@@ -97,9 +119,13 @@ def test_resume_after_a_killed_upload(setup, s3_cache, s3_url, tmp_path, kill):
     target, data, reference = setup
     uploads = s3_cache[2]
     second = uploads.index("shards/r0-00001.arrow")
-    nth = {"shard": second, "journal": uploads.index("journal/r0.jsonl", second), "manifest": len(uploads) - 1}[kill] + 1
+    nth = {"shard": second, "journal": uploads.index("journal/r0.jsonl", second), "manifest": len(uploads) - 1}[
+        kill
+    ] + 1
     staging = tmp_path / "staging"
-    proc = cli(*extract_args(target, data, s3_url), "--staging", staging, env={"DFLASH_CACHE_KILL_AT": f"remote.upload:{nth}"})
+    proc = cli(
+        *extract_args(target, data, s3_url), "--staging", staging, env={"DFLASH_CACHE_KILL_AT": f"remote.upload:{nth}"}
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
     remote = RemoteDir(s3_url)

@@ -51,8 +51,10 @@ def test_loader_packs_batches_exactly_as_the_store_reads_them(tmp_path, codec):
         assert batch.num_tokens == sum(caches.lengths[k] for k in keys)  # packed: no padding
         assert batch.cu_seqlens.tolist() == [0, *torch.tensor([caches.lengths[k] for k in keys]).cumsum(0).tolist()]
         for name, value in want.items():
-            assert torch.equal(getattr(batch, name).view(torch.uint8) if name == "hidden" else getattr(batch, name),
-                               value.view(torch.uint8) if name == "hidden" else value), name
+            assert torch.equal(
+                getattr(batch, name).view(torch.uint8) if name == "hidden" else getattr(batch, name),
+                value.view(torch.uint8) if name == "hidden" else value,
+            ), name
         assert batch.hidden.dtype == torch.bfloat16
 
 
@@ -77,8 +79,10 @@ def test_host_buffers_have_one_size_for_the_whole_run(tmp_path):
     caches = CacheSet([cache_at(tmp_path / "c")])
     batches = plan_batches(list(range(len(caches))), caches.lengths, 50, seed=3)
     largest = max(sum(caches.lengths[k] for k in keys) for keys in batches)
-    sizes = {empty_host_batch(caches, keys, pin=False, capacity_tokens=largest).planes.untyped_storage().nbytes()
-             for keys in batches}
+    sizes = {
+        empty_host_batch(caches, keys, pin=False, capacity_tokens=largest).planes.untyped_storage().nbytes()
+        for keys in batches
+    }
     assert sizes == {2 * largest * caches.width}  # bf16-zstd: two planes of one byte per value
 
 
@@ -96,8 +100,10 @@ def test_reader_error_reaches_the_consumer_promptly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CacheSet, "read", read)
     start = time.monotonic()
-    with pytest.raises(ReaderError, match="sample 5: OSError: injected read failure"), \
-            Loader(caches, batches, "cpu", prefetch=8, workers=4) as loader:
+    with (
+        pytest.raises(ReaderError, match="sample 5: OSError: injected read failure"),
+        Loader(caches, batches, "cpu", prefetch=8, workers=4) as loader,
+    ):
         for _ in loader:
             pass
     assert time.monotonic() - start < 2
@@ -110,8 +116,10 @@ def test_corrupt_row_names_the_sample(tmp_path):
     data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
     caches = CacheSet([root])
-    with pytest.raises(DFlashCacheError, match="reading sample"), \
-            Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader:
+    with (
+        pytest.raises(DFlashCacheError, match="reading sample"),
+        Loader(caches, [[k] for k in range(len(caches))], "cpu") as loader,
+    ):
         list(loader)
 
 
@@ -130,9 +138,13 @@ def test_token_ids_outside_the_vocabulary_name_the_sample(tmp_path, name, bad):
     writer.commit()
     write_manifest(root, build_manifest(read_journals(root)))
     caches = CacheSet([root])
-    with pytest.raises(DFlashCacheError, match=f"reading sample 1: {name} holds token id {bad}, outside the "
-                                               "target's vocabulary of 100"), \
-            Loader(caches, [[k] for k in range(len(caches))], "cpu", topk=name == "topk_ids") as loader:
+    with (
+        pytest.raises(
+            DFlashCacheError,
+            match=f"reading sample 1: {name} holds token id {bad}, outside the target's vocabulary of 100",
+        ),
+        Loader(caches, [[k] for k in range(len(caches))], "cpu", topk=name == "topk_ids") as loader,
+    ):
         list(loader)
 
 
@@ -187,8 +199,11 @@ def test_caches_batched_differently_train_together(tmp_path):
     the same kind of rows: FORMAT.md says they can be trained on together."""
     a, b = random_spec(), random_spec()
     a.update(token_budget=49152, batching={"layout": "PackedLayout", "row_tokens": 49152})
-    b.update(token_budget=4096, batching={"layout": "BucketLayout", "token_budget": 4096, "max_length": 4096},
-             data_hash="1" * 64)
+    b.update(
+        token_budget=4096,
+        batching={"layout": "BucketLayout", "token_budget": 4096, "max_length": 4096},
+        data_hash="1" * 64,
+    )
     write_random_cache(tmp_path / "a", LENGTHS[:5], a)
     write_random_cache(tmp_path / "b", LENGTHS[5:], b, seed=1)
     assert len(CacheSet([tmp_path / "a", tmp_path / "b"])) == len(LENGTHS)
@@ -197,7 +212,9 @@ def test_caches_batched_differently_train_together(tmp_path):
 def test_union_needs_the_same_spec(tmp_path):
     a = cache_at(tmp_path / "a")
     b = cache_at(tmp_path / "b", layer_ids=(1, 4), codec="fp8-zstd")
-    with pytest.raises(DFlashCacheError, match=r"different specs \(codec: bf16-zstd -> fp8-zstd; layer_ids: \[1, 3\] -> \[1, 4\]\)"):
+    with pytest.raises(
+        DFlashCacheError, match=r"different specs \(codec: bf16-zstd -> fp8-zstd; layer_ids: \[1, 3\] -> \[1, 4\]\)"
+    ):
         CacheSet([a, b])
 
 

@@ -155,16 +155,22 @@ class FakeOOMRunner(TargetRunner):
 
 def samples_of(lengths, vocab_size, first_id=100):
     g = torch.Generator().manual_seed(3)
-    return [Sample(first_id + i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, bool))
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(first_id + i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, bool))
+        for i, n in enumerate(lengths)
+    ]
 
 
-@pytest.mark.parametrize("layout, limit, shapes", [
-    # a row of 128 does not fit: halves of 2 and 3 samples in rows of max(128 / 2, their tokens rounded up to 64)
-    (PackedLayout(128), 64, [(1, 128), (1, 64), (1, 64)]),
-    # 5 rows of the 64-token bucket do not fit: halves on ceil(5 / 2) rows
-    (BucketLayout(token_budget=320, max_length=64), 192, [(5, 64), (3, 64), (3, 64)]),
-], ids=["packed", "padded"])
+@pytest.mark.parametrize(
+    "layout, limit, shapes",
+    [
+        # a row of 128 does not fit: halves of 2 and 3 samples in rows of max(128 / 2, their tokens rounded up to 64)
+        (PackedLayout(128), 64, [(1, 128), (1, 64), (1, 64)]),
+        # 5 rows of the 64-token bucket do not fit: halves on ceil(5 / 2) rows
+        (BucketLayout(token_budget=320, max_length=64), 192, [(5, 64), (3, 64), (3, 64)]),
+    ],
+    ids=["packed", "padded"],
+)
 def test_oom_splits_the_batch(qwen3_target_dir, layout, limit, shapes):
     target = load_target(qwen3_target_dir, "cpu", torch.float32, attention=layout.attention)
     samples = samples_of([30, 4, 12, 20, 7], target.vocab_size)
@@ -175,9 +181,15 @@ def test_oom_splits_the_batch(qwen3_target_dir, layout, limit, shapes):
     done = [(sid, part, i) for part in parts for i, sid in enumerate(part.sample_ids)]
     for (_sid, part, i), sample in zip(done, samples):
         n, row, start = len(sample.input_ids), int(part.batch.rows[i]), int(part.batch.starts[i])
-        alone = target.model(input_ids=torch.from_numpy(sample.input_ids.astype(np.int64))[None], output_hidden_states=True)
-        torch.testing.assert_close(layer(part.output.hidden[row, start : start + n], 0, 64), alone.hidden_states[2][0].bfloat16(),
-                                   atol=1e-5, rtol=2**-7)
+        alone = target.model(
+            input_ids=torch.from_numpy(sample.input_ids.astype(np.int64))[None], output_hidden_states=True
+        )
+        torch.testing.assert_close(
+            layer(part.output.hidden[row, start : start + n], 0, 64),
+            alone.hidden_states[2][0].bfloat16(),
+            atol=1e-5,
+            rtol=2**-7,
+        )
         assert torch.equal(part.output.target_ids[row, start : start + n], alone.logits[0].argmax(-1))
 
 
@@ -189,7 +201,9 @@ def test_a_sample_that_does_not_fit_alone_names_itself(qwen3_target_dir):
     assert info.value.sample_id == 100
 
 
-@pytest.mark.parametrize("layout", [PackedLayout(384), BucketLayout(token_budget=768, max_length=256)], ids=["packed", "padded"])
+@pytest.mark.parametrize(
+    "layout", [PackedLayout(384), BucketLayout(token_budget=768, max_length=256)], ids=["packed", "padded"]
+)
 def test_a_batch_gives_the_same_bits_with_any_thread_count(qwen3_target_dir, layout):
     """Extraction leaves torch's thread count alone, and a resumed run may have another (two ranks
     sharing a node's cores): the same batch comes out bit for bit the same on 1, 2 or 3 CPU threads."""

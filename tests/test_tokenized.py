@@ -24,8 +24,9 @@ TOKENIZER_HASH = "t" * 64
 @pytest.fixture
 def files(tmp_path, conversations):
     tokens = tmp_path / "tokens.parquet"
-    pq.write_table(pa.table({"input_ids": [[1, 2, 3], list(range(10, 60)), [7]],
-                             "loss_mask": [[0, 1, 1], [1] * 50, [1]]}), tokens)
+    pq.write_table(
+        pa.table({"input_ids": [[1, 2, 3], list(range(10, 60)), [7]], "loss_mask": [[0, 1, 1], [1] * 50, [1]]}), tokens
+    )
     more = write_conversations(tmp_path / "more.jsonl", count=300, seed=5)  # more than one chunk of 256
     return [conversations, tokens, more]
 
@@ -60,10 +61,14 @@ def test_built_once_then_reused_and_rebuilt_when_an_input_changes(files, tokeniz
     built = []
     real = tokenized.stream_samples
     monkeypatch.setattr(tokenized, "stream_samples", lambda *a: built.append(1) or real(*a))
-    others = [tokenized_data(files, tokenizer, 32, TOKENIZER_HASH, folder, workers=0),  # another max_length
-              tokenized_data(files, tokenizer, 64, "u" * 64, folder, workers=0)]  # another tokenizer
+    others = [
+        tokenized_data(files, tokenizer, 32, TOKENIZER_HASH, folder, workers=0),  # another max_length
+        tokenized_data(files, tokenizer, 64, "u" * 64, folder, workers=0),
+    ]  # another tokenizer
     with open(files[2], "a") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+        f.write(
+            json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+        )
     others.append(tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0))  # data changed
     assert len(built) == 3 and len({d.path for d in [first, *others]}) == 4
     assert len(others[-1].lengths) == len(first.lengths) + 1
@@ -113,7 +118,9 @@ def test_skipped_records_keep_their_ids_unused_and_are_reported(tmp_path, tokeni
 
 def test_bad_record_fails_naming_it_and_leaves_nothing(tmp_path, tokenizer):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\nnot json\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\nnot json\n'
+    )
     with pytest.raises(DFlashCacheError, match=r"bad.jsonl:2: not valid JSON"):
         tokenized_data([bad], tokenizer, 64, TOKENIZER_HASH, tmp_path / "tok", workers=0)
     assert not list((tmp_path / "tok").glob("*.arrow*"))
@@ -126,10 +133,16 @@ def rewrite_ids(path, change):
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, reader.schema) as writer:
         for i in range(reader.num_record_batches):
             batch = reader.get_batch(i)
-            ids = [change(sid, np.array(row, dtype=np.int32)).tolist()
-                   for sid, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())]
-            writer.write_batch(pa.RecordBatch.from_arrays(
-                [batch.column(0), pa.array(ids, pa.list_(pa.int32())), batch.column(2), batch.column(3)], schema=reader.schema))
+            ids = [
+                change(sid, np.array(row, dtype=np.int32)).tolist()
+                for sid, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
+            ]
+            writer.write_batch(
+                pa.RecordBatch.from_arrays(
+                    [batch.column(0), pa.array(ids, pa.list_(pa.int32())), batch.column(2), batch.column(3)],
+                    schema=reader.schema,
+                )
+            )
 
 
 def test_a_kept_file_changed_since_it_was_written_is_tokenized_again_and_said_so(files, tokenizer, tmp_path):
@@ -152,13 +165,17 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_file_and_sample(fil
     folder = tmp_path / "tok"
     data = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
     victim = int(data.sample_ids[3])
-    rewrite_ids(data.path, lambda sid, ids: np.where(np.arange(len(ids)) == 2, len(tokenizer), ids) if sid == victim else ids)
+    rewrite_ids(
+        data.path, lambda sid, ids: np.where(np.arange(len(ids)) == 2, len(tokenizer), ids) if sid == victim else ids
+    )
     info_path = data.path.with_suffix(".json")
     info = json.loads(info_path.read_text())
     info["crc32"] = zlib.crc32(data.path.read_bytes())
     info_path.write_text(json.dumps(info))
-    message = (f"{data.path}: sample {victim}: token id {len(tokenizer)} at position 2 is outside the tokenizer's "
-               f"vocabulary of {len(tokenizer)} ids; delete the file and rerun")
+    message = (
+        f"{data.path}: sample {victim}: token id {len(tokenizer)} at position 2 is outside the tokenizer's "
+        f"vocabulary of {len(tokenizer)} ids; delete the file and rerun"
+    )
     with pytest.raises(DFlashCacheError) as e:
         tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
     assert str(e.value) == message
@@ -168,13 +185,19 @@ def test_temporary_files_of_killed_runs_are_removed_unless_their_lock_is_held(fi
     folder = tmp_path / "tok"
     data = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)
     other, busy = "ab" * 16, "cd" * 16
-    stale = [folder / f"{data.key}.arrow.tmp4194301", folder / f"{data.key}.index.npy.tmp17",
-             folder / f"{data.key}.plan-{'ef' * 16}.npy.tmp23", folder / f"{other}.json.tmp29"]
+    stale = [
+        folder / f"{data.key}.arrow.tmp4194301",
+        folder / f"{data.key}.index.npy.tmp17",
+        folder / f"{data.key}.plan-{'ef' * 16}.npy.tmp23",
+        folder / f"{other}.json.tmp29",
+    ]
     kept = [folder / f"{busy}.arrow.tmp31", folder / "notes.tmp37"]
     for path in stale + kept:
         path.write_bytes(b"partial")
     hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(600)"
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(folder / f"{busy}.lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(folder / f"{busy}.lock")], stdout=subprocess.PIPE, text=True
+    )
     try:
         holder.stdout.readline()  # it holds the lock of `busy`: a run writing it
         again = tokenized_data(files, tokenizer, 64, TOKENIZER_HASH, folder, workers=0)

@@ -24,9 +24,20 @@ def two_nodes(tmp_path: Path, rendezvous: list[str], args) -> None:
     procs = []
     for node in range(2):
         log = open(tmp_path / f"node{node}.log", "w")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                   *rendezvous, *([] if "--rdzv-backend" in rendezvous else ["--node-rank", str(node)]),
-                   "-m", "dflash_cache_cli.main", *map(str, args(node))]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            *rendezvous,
+            *([] if "--rdzv-backend" in rendezvous else ["--node-rank", str(node)]),
+            "-m",
+            "dflash_cache_cli.main",
+            *map(str, args(node)),
+        ]
         procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
     for node, (proc, log) in enumerate(procs):
         proc.wait(timeout=300)
@@ -37,9 +48,27 @@ def two_nodes(tmp_path: Path, rendezvous: list[str], args) -> None:
 def test_extract_on_two_nodes_equals_one_process(setup, s3_url, tmp_path):  # noqa: F811
     """Static rendezvous; each node has its own staging folder, as on two machines."""
     target, data, reference = setup
-    two_nodes(tmp_path, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())], lambda node: [
-        "extract", "--target", target, "--data", data, "--out", s3_url, "--layers", ",".join(map(str, LAYERS)),
-        "--token-budget", 300, "--shard-size", 0.02, "--staging", tmp_path / f"staging{node}"])
+    two_nodes(
+        tmp_path,
+        ["--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+        lambda node: [
+            "extract",
+            "--target",
+            target,
+            "--data",
+            data,
+            "--out",
+            s3_url,
+            "--layers",
+            ",".join(map(str, LAYERS)),
+            "--token-budget",
+            300,
+            "--shard-size",
+            0.02,
+            "--staging",
+            tmp_path / f"staging{node}",
+        ],
+    )
     fs, root = fsspec.core.url_to_fs(s3_url)
     assert {p.rsplit("/", 1)[1].split("-")[0] for p in fs.ls(f"{root}/shards")} == {"r0", "r1"}
     assert_same_cache(reference, s3_url)
@@ -53,10 +82,33 @@ def test_train_on_two_nodes_equals_one_process(s3_url, tmp_path):  # noqa: F811
     fs.put(f"{cache}/", root, recursive=True)
     train(tiny_config(tmp_path, cache, out="one", steps=3, grad_accum=2), echo=lambda s: None)
     drafter = tmp_path / "drafter.json"  # written by tiny_config
-    two_nodes(tmp_path, ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"],
-              lambda node: ["train", "--cache", s3_url, "--out", tmp_path / "two", "--drafter", drafter, "--steps", 3,
-                            "--token-budget", 128, "--max-anchors", 8, "--lr", 3e-3, "--eval-fraction", 0,
-                            "--prefetch", 2, "--workers", 2])
+    two_nodes(
+        tmp_path,
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"],
+        lambda node: [
+            "train",
+            "--cache",
+            s3_url,
+            "--out",
+            tmp_path / "two",
+            "--drafter",
+            drafter,
+            "--steps",
+            3,
+            "--token-budget",
+            128,
+            "--max-anchors",
+            8,
+            "--lr",
+            3e-3,
+            "--eval-fraction",
+            0,
+            "--prefetch",
+            2,
+            "--workers",
+            2,
+        ],
+    )
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)

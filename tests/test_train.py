@@ -51,8 +51,10 @@ def test_compiled_mode_matches_eager_with_one_graph(tmp_path, cache):
 
     counters.clear()
     train(tiny_config(tmp_path, cache, out="eager", steps=3), echo=lambda s: None)
-    train(tiny_config(tmp_path, cache, out="compiled", steps=3, compile=True, compile_backend="aot_eager"),
-          echo=lambda s: None)
+    train(
+        tiny_config(tmp_path, cache, out="compiled", steps=3, compile=True, compile_backend="aot_eager"),
+        echo=lambda s: None,
+    )
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert counters["stats"]["unique_graphs"] == 1  # padded shapes: no recompilation across batches
 
@@ -129,7 +131,10 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
     monkeypatch.setattr(loader, "to_device", poisoned)
     cfg = tiny_config(tmp_path, cache, epochs=1, skip_nonfinite=skip)
     if not skip:
-        with pytest.raises(DFlashCacheError, match=r"non-finite loss at step \d+: a batch of \d+ tokens in \d+ sequences \(sample ids [^)]*\b2\b"):
+        with pytest.raises(
+            DFlashCacheError,
+            match=r"non-finite loss at step \d+: a batch of \d+ tokens in \d+ sequences \(sample ids [^)]*\b2\b",
+        ):
             train(cfg, echo=lambda s: None)
         return
     train(cfg, echo=lambda s: None)
@@ -138,11 +143,16 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
     assert sum(1 for r in records if not math.isfinite(r["loss"])) == 1
 
 
-@pytest.mark.parametrize("error", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
-    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
-                 "tried to allocate 239095061248 bytes. Error code 12 (Cannot allocate memory)"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 239095061248 bytes. Error code 12 (Cannot allocate memory)"
+        ),
+    ],
+)
 def test_out_of_memory_names_the_batch_and_the_options(tmp_path, cache, monkeypatch, error):
     from dflash_cache.drafter.runner import DrafterRunner
 
@@ -150,8 +160,11 @@ def test_out_of_memory_names_the_batch_and_the_options(tmp_path, cache, monkeypa
         raise error
 
     monkeypatch.setattr(DrafterRunner, "__call__", oom)
-    with pytest.raises(DFlashCacheError, match=r"out of memory on cpu at step 1 on a batch of \d+ tokens in \d+ "
-                                               r"sequences .*; lower --token-budget \(now 128\) or --max-anchors \(now 8\)$"):
+    with pytest.raises(
+        DFlashCacheError,
+        match=r"out of memory on cpu at step 1 on a batch of \d+ tokens in \d+ "
+        r"sequences .*; lower --token-budget \(now 128\) or --max-anchors \(now 8\)$",
+    ):
         train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
 
 
@@ -204,7 +217,9 @@ def test_each_epoch_is_planned_once_before_the_first_step(tmp_path, cache, monke
 
 
 @pytest.mark.gpu
-def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_statistics_and_size_the_next_anchors(tmp_path, cache, monkeypatch):
+def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_statistics_and_size_the_next_anchors(
+    tmp_path, cache, monkeypatch
+):
     """Each wait leaves the GPU idle while the host catches up: the optimizer's clipping factor stays on the
     device, and the next batch's anchors are drawn while the GPU is idle anyway."""
     import warnings
@@ -226,7 +241,9 @@ def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_statistics_and_size_the_n
             train(tiny_config(tmp_path, cache, steps=6, cpu_procs=0, gpus=[0], save_every=0), echo=lambda s: None)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    waits = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+    waits = [
+        f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
+    ]
     # steps 3-6: each reads its statistics (train.py) and, for steps 3-5, sizes the next batch's anchors
     assert sorted({w.split(":")[0] for w in waits}) == ["anchors.py", "train.py"], waits
     assert len(waits) == 4 + 3, waits

@@ -17,8 +17,25 @@ def run(*args):
 
 
 def options(cache, drafter, out, *extra):
-    return ["--cache", cache, "--out", out, "--drafter", drafter, "--steps", 2, "--token-budget", 128,
-            "--max-anchors", 8, "--eval-fraction", 0, "--workers", 2, *extra]
+    return [
+        "--cache",
+        cache,
+        "--out",
+        out,
+        "--drafter",
+        drafter,
+        "--steps",
+        2,
+        "--token-budget",
+        128,
+        "--max-anchors",
+        8,
+        "--eval-fraction",
+        0,
+        "--workers",
+        2,
+        *extra,
+    ]
 
 
 def one_line_error(code, out, *needles):
@@ -66,8 +83,11 @@ def test_bad_caches(tmp_path, setup):
     (incomplete / "manifest.json").unlink()
     one_line_error(*run(*options(incomplete, drafter, tmp_path / "b")), "incomplete")
     other = make_cache(tmp_path / "other", codec="fp8-zstd")
-    one_line_error(*run(*options(cache, drafter, tmp_path / "c", "--cache", other)),
-                   "different specs", "codec: bf16-zstd -> fp8-zstd")
+    one_line_error(
+        *run(*options(cache, drafter, tmp_path / "c", "--cache", other)),
+        "different specs",
+        "codec: bf16-zstd -> fp8-zstd",
+    )
     headless = make_cache(tmp_path / "headless")
     (headless / "target" / "head.safetensors").unlink()
     one_line_error(*run(*options(headless, drafter, tmp_path / "d")), "head.safetensors is missing")
@@ -81,8 +101,11 @@ def test_a_cache_given_twice_is_refused(tmp_path, setup):
     cache, drafter = setup
     shutil.copytree(cache, tmp_path / "copy")
     for second, out in ((cache, "a"), (f"{cache}/.", "b"), (tmp_path / "copy", "c")):
-        one_line_error(*run(*options(cache, drafter, tmp_path / out, "--cache", second)), "sample 0 is in both",
-                       "(same data source); give each cache once")
+        one_line_error(
+            *run(*options(cache, drafter, tmp_path / out, "--cache", second)),
+            "sample 0 is in both",
+            "(same data source); give each cache once",
+        )
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
@@ -113,15 +136,21 @@ def test_out_that_is_not_empty(tmp_path, setup):
     assert (tmp_path / "busy" / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--token-budget", 0], "--token-budget must be at least 1"),
-    (["--gpus", ""], "--gpus is empty"),
-    (["--epochs", 2], "give --epochs or --steps, not both"),
-    (["--eval-fraction", 1.5], "--eval-fraction must be in [0, 1)"),
-    (["--grad-accum", 50], "fewer than one step needs"),
-    (["--dpace-alpha", 0], "--dpace-alpha must be in (0, 1]"),
-    (["--loss", "topk", "--labels", "tokens"], "--loss topk distils the target's own distribution; it needs --labels target"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--token-budget", 0], "--token-budget must be at least 1"),
+        (["--gpus", ""], "--gpus is empty"),
+        (["--epochs", 2], "give --epochs or --steps, not both"),
+        (["--eval-fraction", 1.5], "--eval-fraction must be in [0, 1)"),
+        (["--grad-accum", 50], "fewer than one step needs"),
+        (["--dpace-alpha", 0], "--dpace-alpha must be in (0, 1]"),
+        (
+            ["--loss", "topk", "--labels", "tokens"],
+            "--loss topk distils the target's own distribution; it needs --labels target",
+        ),
+    ],
+)
 def test_options_out_of_range(tmp_path, setup, extra, needle):
     cache, drafter = setup
     one_line_error(*run(*options(cache, drafter, tmp_path / "run", *extra)), needle)
@@ -139,8 +168,11 @@ def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
         assert code == 0, text
         first[loss] = losses(out)[0]
     assert len(set(first.values())) == 3, first
-    one_line_error(*run(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
-                   "different config", "loss")
+    one_line_error(
+        *run(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
+        "different config",
+        "loss",
+    )
 
 
 def test_topk_loss_needs_top_k_labels(tmp_path, setup):
@@ -148,8 +180,10 @@ def test_topk_loss_needs_top_k_labels(tmp_path, setup):
     out = tmp_path / "run"
     one_line_error(*run(*options(cache, drafter, out, "--loss", "topk")), "lacks", "extract it with --topk K")
     assert not out.exists()
-    one_line_error(*run("--live-target", tmp_path / "model", "--data", tmp_path / "data.jsonl", "--out", out,
-                        "--loss", "topk"), "--live-target computes none")
+    one_line_error(
+        *run("--live-target", tmp_path / "model", "--data", tmp_path / "data.jsonl", "--out", out, "--loss", "topk"),
+        "--live-target computes none",
+    )
     assert not out.exists()
 
 

@@ -18,14 +18,37 @@ TIMING = {"tokens_per_s", "step_time_s"}
 def setup(qwen3_target_dir, conversations, tmp_path_factory):
     root = tmp_path_factory.mktemp("train-live")
     cache = root / "cache"
-    extract(ExtractOptions(target=qwen3_target_dir, data=[conversations], out=cache, layers=LAYERS, token_budget=1, batching="padded"))
+    extract(
+        ExtractOptions(
+            target=qwen3_target_dir, data=[conversations], out=cache, layers=LAYERS, token_budget=1, batching="padded"
+        )
+    )
     drafter = drafter_json(root / "drafter.json", hidden_size=64, head_dim=16, target_layer_ids=LAYERS)
     return cache, drafter, qwen3_target_dir, conversations
 
 
 def options(drafter, out, *extra):
-    return ["--out", out, "--drafter", drafter, "--steps", 4, "--token-budget", 200, "--max-anchors", 8,
-            "--eval-fraction", 0.25, "--eval-every", 2, "--lr", 3e-3, "--workers", 2, *extra]
+    return [
+        "--out",
+        out,
+        "--drafter",
+        drafter,
+        "--steps",
+        4,
+        "--token-budget",
+        200,
+        "--max-anchors",
+        8,
+        "--eval-fraction",
+        0.25,
+        "--eval-every",
+        2,
+        "--lr",
+        3e-3,
+        "--workers",
+        2,
+        *extra,
+    ]
 
 
 def live(target, data, *extra):
@@ -60,25 +83,36 @@ def test_packed_forwards_by_default_and_resume_keeps_the_mode(tmp_path, setup):
     packed, exact = losses(out), losses(tmp_path / "exact")
     assert all(math.isfinite(x) for x in packed)
     assert packed == pytest.approx(exact, rel=0.05)  # bf16 rounding of other batch shapes only
-    one_line_error(*run(*options(drafter, out, *live(target, data, "--exact-target"), "--resume")),
-                   "different config", "forward_tokens")
+    one_line_error(
+        *run(*options(drafter, out, *live(target, data, "--exact-target"), "--resume")),
+        "different config",
+        "forward_tokens",
+    )
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ([], "give --cache CACHE, or --live-target MODEL_DIR with --data FILE"),
-    (["--cache", "CACHE", "--live-target", "TARGET", "--data", "DATA"], "give --cache or --live-target, not both"),
-    (["--live-target", "TARGET"], "--live-target needs --data FILE"),
-    (["--cache", "CACHE", "--data", "DATA"], "--data applies only with --live-target"),
-    (["--cache", "CACHE", "--target-gpus", "0"], "--target-gpus applies only with --live-target"),
-    (["--cache", "CACHE", "--exact-target"], "--exact-target applies only with --live-target"),
-    (["--live-target", "TARGET", "--data", "DATA", "--local-cache", "x"], "--local-cache applies only with --cache"),
-    (["--live-target", "TARGET", "--data", "DATA", "--num-draft-layers", 2, "--layers", "1,4"],
-     "give either --layers or --num-draft-layers"),
-    (["--live-target", "TARGET", "--data", "DATA", "--layers", "1,9"], "layer index 9 is out of range"),
-    (["--live-target", "TARGET", "--data", "DATA", "--target-gpus", "0-63"], "--target-gpus names 64 GPU(s) for"),
-    (["--live-target", "TARGET", "--data", "DATA", "--target-gpus", "99"], "--target-gpus names"),
-    (["--live-target", "nowhere", "--data", "DATA"], "target nowhere does not exist"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ([], "give --cache CACHE, or --live-target MODEL_DIR with --data FILE"),
+        (["--cache", "CACHE", "--live-target", "TARGET", "--data", "DATA"], "give --cache or --live-target, not both"),
+        (["--live-target", "TARGET"], "--live-target needs --data FILE"),
+        (["--cache", "CACHE", "--data", "DATA"], "--data applies only with --live-target"),
+        (["--cache", "CACHE", "--target-gpus", "0"], "--target-gpus applies only with --live-target"),
+        (["--cache", "CACHE", "--exact-target"], "--exact-target applies only with --live-target"),
+        (
+            ["--live-target", "TARGET", "--data", "DATA", "--local-cache", "x"],
+            "--local-cache applies only with --cache",
+        ),
+        (
+            ["--live-target", "TARGET", "--data", "DATA", "--num-draft-layers", 2, "--layers", "1,4"],
+            "give either --layers or --num-draft-layers",
+        ),
+        (["--live-target", "TARGET", "--data", "DATA", "--layers", "1,9"], "layer index 9 is out of range"),
+        (["--live-target", "TARGET", "--data", "DATA", "--target-gpus", "0-63"], "--target-gpus names 64 GPU(s) for"),
+        (["--live-target", "TARGET", "--data", "DATA", "--target-gpus", "99"], "--target-gpus names"),
+        (["--live-target", "nowhere", "--data", "DATA"], "target nowhere does not exist"),
+    ],
+)
 def test_bad_combinations(tmp_path, setup, extra, needle):
     cache, drafter, target, data = setup
     names = {"CACHE": cache, "TARGET": target, "DATA": data}
@@ -90,8 +124,14 @@ def test_bad_combinations(tmp_path, setup, extra, needle):
 def test_two_ranks_each_with_its_own_target(tmp_path, setup):
     """Two CPU ranks, each running its own copy of the target: the losses of one rank with the same global batch."""
     _, _, target, data = setup
-    source = {"caches": [], "live_target": str(target), "data": [str(data)], "layers": LAYERS, "exact_target": True,
-              "token_budget": 200}
+    source = {
+        "caches": [],
+        "live_target": str(target),
+        "data": [str(data)],
+        "layers": LAYERS,
+        "exact_target": True,
+        "token_budget": 200,
+    }
     drafter = drafter_json(tmp_path / "drafter.json", hidden_size=64, head_dim=16, target_layer_ids=LAYERS)
     train(tiny_config(tmp_path, "", out="one", steps=2, grad_accum=2, drafter=str(drafter), **source), echo=print)
     train(tiny_config(tmp_path, "", out="two", steps=2, cpu_procs=2, drafter=str(drafter), **source), echo=print)

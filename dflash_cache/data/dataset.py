@@ -101,8 +101,9 @@ class LoadedData:
         }
 
 
-def checked_inputs(paths: Sequence[str | Path], max_length: int, options: EncodeOptions | None,
-                   on_bad_record: str) -> tuple[list[Path], EncodeOptions]:
+def checked_inputs(
+    paths: Sequence[str | Path], max_length: int, options: EncodeOptions | None, on_bad_record: str
+) -> tuple[list[Path], EncodeOptions]:
     if not paths:
         raise DFlashCacheError("no data files given")
     if max_length < 1:
@@ -112,8 +113,9 @@ def checked_inputs(paths: Sequence[str | Path], max_length: int, options: Encode
     return [Path(p) for p in paths], replace(options or EncodeOptions(max_length), max_length=max_length)
 
 
-def stream_samples(data: LoadedData, paths: Sequence[Path], tokenizer, options: EncodeOptions, workers: int,
-                   on_bad_record: str) -> Iterator[list[Sample]]:
+def stream_samples(
+    data: LoadedData, paths: Sequence[Path], tokenizer, options: EncodeOptions, workers: int, on_bad_record: str
+) -> Iterator[list[Sample]]:
     """The samples kept from `paths`, chunk by chunk in order; what is left out or found on the way
     (bad records, untrainable samples, truncation, unfaithful renderings, masked kinds) goes to
     `data`'s report fields as it streams (its `samples` are left alone)."""
@@ -162,10 +164,14 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     if isinstance(record, Conversation):
         encoded = encode_conversation(tokenizer, record.messages, record.tools, options.template_kwargs)
         if encoded.dropped:
-            raise DFlashCacheError(f"the chat template leaves out what the data has ({'; '.join(encoded.dropped)}): "
-                                   "remove it from the record, or skip such records with --on-bad-record skip")
+            raise DFlashCacheError(
+                f"the chat template leaves out what the data has ({'; '.join(encoded.dropped)}): "
+                "remove it from the record, or skip such records with --on-bad-record skip"
+            )
         if encoded.unfaithful and options.strict_template:
-            raise DFlashCacheError(f"the chat template does not render this conversation faithfully: {'; '.join(encoded.unfaithful)}")
+            raise DFlashCacheError(
+                f"the chat template does not render this conversation faithfully: {'; '.join(encoded.unfaithful)}"
+            )
         ids, kinds, unfaithful = np.array(encoded.input_ids, dtype=np.int32), encoded.kinds, encoded.unfaithful
     else:
         check_token_ids(record.input_ids, vocab_size)
@@ -178,8 +184,9 @@ def encode_record(tokenizer, vocab_size: int, record: Record, options: EncodeOpt
     return EncodedRecord(ids, kinds > 0, truncated, masked, unfaithful, record.record_id)
 
 
-def _encode_or_reason(tokenizer, vocab_size: int, record: Record | BadRecord | JsonLine,
-                      options: EncodeOptions) -> tuple[str, EncodedRecord | str]:
+def _encode_or_reason(
+    tokenizer, vocab_size: int, record: Record | BadRecord | JsonLine, options: EncodeOptions
+) -> tuple[str, EncodedRecord | str]:
     """(where, the sample or why the record cannot be one)."""
     if isinstance(record, BadRecord):
         return record.where, record.reason
@@ -208,7 +215,11 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def _encode_chunks(
-    chunks: Iterator[list[Record | BadRecord | JsonLine]], tokenizer, vocab_size: int, options: EncodeOptions, workers: int
+    chunks: Iterator[list[Record | BadRecord | JsonLine]],
+    tokenizer,
+    vocab_size: int,
+    options: EncodeOptions,
+    workers: int,
 ) -> Iterator[list[tuple[str, EncodedRecord | str]]]:
     head = list(islice(chunks, 2))
     chunks = chain(head, chunks)
@@ -218,8 +229,13 @@ def _encode_chunks(
         return
     context = _pool_context(tokenizer)
     reader, writer = context.Pipe(duplex=False)  # the workers' lifeline: only this process holds its writer
-    with reader, writer, ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                             initargs=(reader, tokenizer, vocab_size, options)) as pool:
+    with (
+        reader,
+        writer,
+        ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_init_worker, initargs=(reader, tokenizer, vocab_size, options)
+        ) as pool,
+    ):
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks in flight per worker, so memory stays bounded
             if any(isinstance(r, (JsonLine, Conversation)) for r in chunk):

@@ -113,7 +113,9 @@ def _message(turn: dict, name: str, role_key: str, content_key: str) -> dict:
     if content is None and tool_calls:
         message["content"] = None
     else:
-        message["content"] = _content("" if content is None and reasoning is not None else content, f"{name}.{content_key}")
+        message["content"] = _content(
+            "" if content is None and reasoning is not None else content, f"{name}.{content_key}"
+        )
     if reasoning is not None:
         message["reasoning_content"] = message["thinking"] = reasoning
     if tool_calls:
@@ -131,7 +133,11 @@ def _content(content: object, name: str) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type", "text") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise DFlashCacheError(f"{name}[{j}] is a {show(kind)} part; only text parts can be trained on")
             texts.append(part["text"])

@@ -48,8 +48,9 @@ class Batches(Sequence[list[int]]):
         sizes = np.diff(self.starts)[order]
         # the position in self.ids of every sample, batch after batch in the new order
         within = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        return Batches(self.ids[np.repeat(self.starts[:-1][order], sizes) + within],
-                       np.concatenate([[0], np.cumsum(sizes)]))
+        return Batches(
+            self.ids[np.repeat(self.starts[:-1][order], sizes) + within], np.concatenate([[0], np.cumsum(sizes)])
+        )
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -67,7 +68,9 @@ class Batches(Sequence[list[int]]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Batches):
             return np.array_equal(self.ids, other.ids) and np.array_equal(self.starts, other.starts)
-        return isinstance(other, Sequence) and len(other) == len(self) and all(a == list(b) for a, b in zip(self, other))
+        return (
+            isinstance(other, Sequence) and len(other) == len(self) and all(a == list(b) for a, b in zip(self, other))
+        )
 
     __hash__ = None
 

@@ -52,8 +52,10 @@ def kept_plan(data: TokenizedData, layout: Planner) -> Batches:
                     _write(path, layout.plan(data.sample_ids, data.lengths))
                     plan = _load(path, data)
         except OSError as e:
-            raise DFlashCacheError(f"writing the plan to {path.parent} failed ({e.strerror or e}); free space there "
-                                   "or pass --tokenized-dir DIR") from None
+            raise DFlashCacheError(
+                f"writing the plan to {path.parent} failed ({e.strerror or e}); free space there "
+                "or pass --tokenized-dir DIR"
+            ) from None
     if plan is None:
         raise DFlashCacheError(f"{path} was written but does not read back; delete it and rerun")
     return plan
@@ -63,8 +65,12 @@ def plan_key(layout: Planner) -> str:
     code = hashlib.sha256()
     for module in (plan_module, sys.modules[type(layout).__module__]):
         code.update(Path(module.__file__).read_bytes())
-    fields = {"format": FORMAT, "layout": f"{type(layout).__module__}.{type(layout).__qualname__}",
-              "fields": repr(layout), "code": code.hexdigest()}
+    fields = {
+        "format": FORMAT,
+        "layout": f"{type(layout).__module__}.{type(layout).__qualname__}",
+        "fields": repr(layout),
+        "code": code.hexdigest(),
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -105,7 +105,10 @@ def check_data_file(path: str | Path) -> None:
 
 
 def read_records(
-    path: str | Path, skip_bad: bool = False, max_line_bytes: int | None = None, parse_json: bool = True,
+    path: str | Path,
+    skip_bad: bool = False,
+    max_line_bytes: int | None = None,
+    parse_json: bool = True,
     prompts: bool = False,
 ) -> Iterator[Record | BadRecord | JsonLine]:
     """Yield every record of one data file, in order; an empty file is an error. Without
@@ -137,9 +140,15 @@ def read_records(
 # ---- JSONL ----------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, gzipped: bool, skip_bad: bool, max_line_bytes: int | None,
-                parse_json: bool = True, prompts: bool = False) -> Iterator[Record | BadRecord | JsonLine]:
-    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+def _read_jsonl(
+    path: Path,
+    gzipped: bool,
+    skip_bad: bool,
+    max_line_bytes: int | None,
+    parse_json: bool = True,
+    prompts: bool = False,
+) -> Iterator[Record | BadRecord | JsonLine]:
+    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
         try:
             for lineno, raw in _lines(f, max_line_bytes):
                 where = f"{path}:{lineno}"
@@ -272,7 +281,9 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     except (pa.ArrowException, OSError) as e:
         raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
-    yield from _read_batches(validated_batches(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path)
+    yield from _read_batches(
+        validated_batches(file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns), path), path
+    )
 
 
 def _read_arrow(path: Path) -> Iterator[Record]:
@@ -362,7 +373,9 @@ def _read_batches(batches: Iterator[pa.RecordBatch], path: Path) -> Iterator[Tok
                 row_mask = row_mask.astype(bool)
             if row_ids.dtype == np.uint64 and (row_ids > np.iinfo(np.int64).max).any():
                 position = int((row_ids > np.iinfo(np.int64).max).argmax())
-                raise DFlashCacheError(f"{where}: token id {int(row_ids[position])} at position {position} is too large for a token id")
+                raise DFlashCacheError(
+                    f"{where}: token id {int(row_ids[position])} at position {position} is too large for a token id"
+                )
             try:
                 own_id = record_id(own_id)
             except DFlashCacheError as e:

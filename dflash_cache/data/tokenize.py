@@ -181,8 +181,16 @@ def _detect_arguments_as_text(tokenizer, kwargs: dict) -> bool:
     user = {"role": "user", "content": "q"}
     for content in (None, ""):  # null beside tool calls (DeepSeek), or "" where a template refuses null (gpt-oss)
         for as_text in (False, True):
-            call = {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": {
-                "name": "f", "arguments": json.dumps(arguments) if as_text else arguments}}]}
+            call = {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "arguments": json.dumps(arguments) if as_text else arguments},
+                    }
+                ],
+            }
             try:
                 rendered = _apply(tokenizer, [user, call], None, kwargs)
             except DFlashCacheError:
@@ -197,8 +205,19 @@ def _with_arguments(messages: list[dict], as_text: bool) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**call, "function": {**call["function"], "arguments": _arguments(
-                call["function"].get("arguments", {}), as_text)}} for call in m["tool_calls"]]}
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        **call,
+                        "function": {
+                            **call["function"],
+                            "arguments": _arguments(call["function"].get("arguments", {}), as_text),
+                        },
+                    }
+                    for call in m["tool_calls"]
+                ],
+            }
         out.append(m)
     return out
 
@@ -245,7 +264,9 @@ def _probe(messages: list[dict], split_inline: bool) -> tuple[list[_Field], list
                 for call in m["tool_calls"]
             ]
         # An empty content is left as it is (templates branch on it), unless it is all the turn has.
-        if not inline and (m.get("content") or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls"))):
+        if not inline and (
+            m.get("content") or (is_assistant and not m.get("reasoning_content") and not m.get("tool_calls"))
+        ):
             m["content"] = mark(i, "content" if is_assistant else "other", m.get("content") or "")
         probe.append(m)
     return fields, probe
@@ -271,7 +292,9 @@ def _align(full: str, probe: str, fields: list[_Field], dropped: list[str]) -> l
         at = probe.find(f.mark)
         if at < 0:
             if f.kind in ("reasoning", "tool_call", "content") and not f.inline:
-                dropped.append(f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}")
+                dropped.append(
+                    f"the template does not render the {f.kind.replace('_', ' ')} of assistant turn {f.message}"
+                )
             continue
         first = True
         while at >= 0:  # a field may be rendered again later (gpt-oss names the tool in its result)
@@ -296,16 +319,26 @@ def _align(full: str, probe: str, fields: list[_Field], dropped: list[str]) -> l
     if full[pos:] != tail:
         raise _misaligned()
     for f in fields:  # an inline think block the template neither splits off nor keeps in the content
-        if f.inline and f.mark not in probe and not any(g.message == f.message and f.values[0] in full[s:e]
-                                                         for s, e, g in spans):
+        if (
+            f.inline
+            and f.mark not in probe
+            and not any(g.message == f.message and f.values[0] in full[s:e] for s, e, g in spans)
+        ):
             dropped.append(f"the template does not render the reasoning of assistant turn {f.message}")
     return spans
 
 
 def _rendered_length(full: str, pos: int, values: tuple[str, ...], after: str, last: bool) -> int:
     """How much of `full` from `pos` is the field: a value as given or trimmed, followed by `after`."""
-    candidates = sorted({c for v in values for c in (v, v.strip(), v.lstrip(), v.rstrip(), v.strip("\n"), v.lstrip("\n"),
-                                                      v.rstrip("\n"))}, key=len, reverse=True)
+    candidates = sorted(
+        {
+            c
+            for v in values
+            for c in (v, v.strip(), v.lstrip(), v.rstrip(), v.strip("\n"), v.lstrip("\n"), v.rstrip("\n"))
+        },
+        key=len,
+        reverse=True,
+    )
     for c in candidates:
         end = pos + len(c)
         if full.startswith(c, pos) and full.startswith(after, end) and (not last or end + len(after) == len(full)):
@@ -339,15 +372,21 @@ def _template(tokenizer, kwargs: dict) -> _Template:
     # The generation prompt; where a past turn was rendered without all of it (a think block it no
     # longer opens), its longest part that ends a line or a special token; a template with no
     # generation prompt (Mistral) starts generating right after the user turn's closing text.
-    cuts = [prompt[:k] for k in range(len(prompt) - 1, 0, -1)
-            if prompt[k - 1] == "\n" or any(prompt[:k].endswith(s) for s in specials)]
+    cuts = [
+        prompt[:k]
+        for k in range(len(prompt) - 1, 0, -1)
+        if prompt[k - 1] == "\n" or any(prompt[:k].endswith(s) for s in specials)
+    ]
     openers = [prompt, *cuts] if prompt else [_after(with_prompt, question)]
     final = render([user, reply])
     ends = set(_specials_in(_after(final, answer), specials)[-1:])  # what closes a final turn
     past = render([user, reply, {"role": "user", "content": follow_up}])
     ends.update(_specials_in(_after(past, answer).split(follow_up)[0], specials)[:1])  # ... and a past one
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": call_name, "arguments": ToolArguments({})}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": call_name, "arguments": ToolArguments({})}}],
+    }
     try:
         called = render([user, call])
     except DFlashCacheError:

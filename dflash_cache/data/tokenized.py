@@ -44,10 +44,14 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.rowbits import CHUNK
 
 FORMAT = 3  # 2: the id column, 3: its checksum; a file of another format is never reused (its key differs)
-SCHEMA = pa.schema([pa.field("sample_id", pa.int64(), nullable=False),
-                    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
-                    pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
-                    pa.field("id", pa.string())])  # read back as --data, it keeps the ids
+SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+        pa.field("id", pa.string()),
+    ]
+)  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 INDEX_SUFFIX = ".index.npy"
 # A file being written (NAME.tmpPID), named by the lock it is written under: KEY.lock for the data's
@@ -152,16 +156,25 @@ class SampleStore(Mapping[int, Sample]):
             raise DFlashCacheError(f"{self.path} is shorter than its index says; delete it and rerun")
         input_ids = data[ids_at : ids_at + 4 * n].view(np.int32)  # a view of the mapped file
         skip = mask_bit & 7
-        loss_mask = np.unpackbits(data[mask_bit >> 3 : (mask_bit + n + 7) >> 3], bitorder="little")[skip : skip + n].astype(bool)
+        loss_mask = np.unpackbits(data[mask_bit >> 3 : (mask_bit + n + 7) >> 3], bitorder="little")[
+            skip : skip + n
+        ].astype(bool)
         record_id = None if rid_at < 0 else data[rid_at : rid_at + rid_bytes].tobytes().decode("utf-8", "replace")
         return Sample(int(sample_id), input_ids, loss_mask, record_id)
 
 
-def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, tokenizer_hash: str,
-                   folder: Path | None = None, workers: int | None = None, options: EncodeOptions | None = None,
-                   on_bad_record: str = "error",
-                   on_progress: Callable[[int, int], None] = lambda samples, tokens: None,
-                   on_note: Callable[[str], None] = lambda line: None) -> TokenizedData:
+def tokenized_data(
+    paths: Sequence[str | Path],
+    tokenizer,
+    max_length: int,
+    tokenizer_hash: str,
+    folder: Path | None = None,
+    workers: int | None = None,
+    options: EncodeOptions | None = None,
+    on_bad_record: str = "error",
+    on_progress: Callable[[int, int], None] = lambda samples, tokens: None,
+    on_note: Callable[[str], None] = lambda line: None,
+) -> TokenizedData:
     """The tokenized data of `paths` (the samples `stream_samples` keeps), built on first use
     (`on_progress(samples, tokens)` as it goes), and again when the kept file is not what was
     written (`on_note` says so); `workers`: tokenizer processes (None: one per core; 0 or 1: this
@@ -172,19 +185,35 @@ def tokenized_data(paths: Sequence[str | Path], tokenizer, max_length: int, toke
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DFlashCacheError(f"cannot create the tokenized-data folder {folder} ({e.strerror}); "
-                               "pass --tokenized-dir DIR") from None
+        raise DFlashCacheError(
+            f"cannot create the tokenized-data folder {folder} ({e.strerror}); pass --tokenized-dir DIR"
+        ) from None
     source_hash = _source_hash(paths, folder)
-    fields = {"format": FORMAT, "source_hash": source_hash, "tokenizer_hash": tokenizer_hash,
-              "options": asdict(options), "on_bad_record": on_bad_record, "code_hash": _code_hash()}
+    fields = {
+        "format": FORMAT,
+        "source_hash": source_hash,
+        "tokenizer_hash": tokenizer_hash,
+        "options": asdict(options),
+        "on_bad_record": on_bad_record,
+        "code_hash": _code_hash(),
+    }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
     with open(folder / f"{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         _remove_temporaries(folder, key)
         data = _open(folder, key, fields, len(tokenizer), on_note)
         if data is None:
-            _build(folder, key, fields, paths, tokenizer, options, on_bad_record,
-                   (os.cpu_count() or 1) if workers is None else workers, on_progress)
+            _build(
+                folder,
+                key,
+                fields,
+                paths,
+                tokenizer,
+                options,
+                on_bad_record,
+                (os.cpu_count() or 1) if workers is None else workers,
+                on_progress,
+            )
             data = _open(folder, key, fields, len(tokenizer), on_note)
     if data is None:
         raise DFlashCacheError(f"{folder / key}.arrow was written but does not read back; delete it and rerun")
@@ -219,8 +248,9 @@ def _temporaries(folder: Path) -> dict[str, list[Path]]:
     return found
 
 
-def _open(folder: Path, key: str, fields: dict, vocab_size: int,
-          on_note: Callable[[str], None]) -> TokenizedData | None:
+def _open(
+    folder: Path, key: str, fields: dict, vocab_size: int, on_note: Callable[[str], None]
+) -> TokenizedData | None:
     """The complete tokenized file of `key`, or None (absent, unfinished, or not what its JSON says:
     a file whose checksum differs is named by `on_note`). Token ids outside the vocabulary of
     `vocab_size` ids are an error naming the sample."""
@@ -267,7 +297,9 @@ def _check_ids(batch: pa.RecordBatch, vocab_size: int, path: Path) -> None:
             try:
                 tokenize.check_token_ids(ids[row].values.to_numpy(), vocab_size)
             except DFlashCacheError as e:
-                raise DFlashCacheError(f"{path}: sample {batch.column(0)[row].as_py()}: {e}; delete the file and rerun") from None
+                raise DFlashCacheError(
+                    f"{path}: sample {batch.column(0)[row].as_py()}: {e}; delete the file and rerun"
+                ) from None
 
 
 def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
@@ -294,8 +326,9 @@ def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
         except (ValueError, pa.ArrowException):
             return None  # the Arrow file does not read as its metadata says: built again
         except OSError as e:
-            raise DFlashCacheError(f"writing {path} failed ({e.strerror or e}); free space there or pass "
-                                   "--tokenized-dir DIR") from None
+            raise DFlashCacheError(
+                f"writing {path} failed ({e.strerror or e}); free space there or pass --tokenized-dir DIR"
+            ) from None
         finally:
             tmp.unlink(missing_ok=True)
         index = _load_index(path, rows, arrow.stat().st_size)
@@ -317,13 +350,20 @@ def _batch_index(batch: pa.RecordBatch, base: int) -> np.ndarray:
     values = ids.values  # the list offsets index it from its own offset on
     ids_at = values.buffers()[1].address - base + 4 * (values.offset + offsets[:-1])
     mask_values = mask.values
-    mask_bit = 8 * (mask_values.buffers()[1].address - base) + mask_values.offset + mask.offsets.to_numpy().astype(np.int64)[:-1]
+    mask_bit = (
+        8 * (mask_values.buffers()[1].address - base)
+        + mask_values.offset
+        + mask.offsets.to_numpy().astype(np.int64)[:-1]
+    )
     _, rid_offsets, rid_data = record_ids.buffers()
-    rid = np.frombuffer(rid_offsets, dtype=np.int32)[record_ids.offset : record_ids.offset + len(record_ids) + 1].astype(np.int64)
+    rid = np.frombuffer(rid_offsets, dtype=np.int32)[
+        record_ids.offset : record_ids.offset + len(record_ids) + 1
+    ].astype(np.int64)
     null = record_ids.is_null().to_numpy(zero_copy_only=False)
     rid_at = np.where(null, -1, (rid_data.address - base if rid_data is not None else 0) + rid[:-1])
-    return np.stack([batch.column(0).to_numpy(), np.diff(offsets), ids_at, mask_bit, rid_at,
-                     np.where(null, 0, np.diff(rid))])
+    return np.stack(
+        [batch.column(0).to_numpy(), np.diff(offsets), ids_at, mask_bit, rid_at, np.where(null, 0, np.diff(rid))]
+    )
 
 
 def _load_index(path: Path, rows: int, file_bytes: int) -> np.ndarray | None:
@@ -339,15 +379,33 @@ def _load_index(path: Path, rows: int, file_bytes: int) -> np.ndarray | None:
     for start in range(0, rows, CHUNK):
         ids = index[0, max(0, start - 1) : start + CHUNK]  # overlapping by one: every step checked
         _, n, ids_at, mask_bit, rid_at, rid_bytes = np.asarray(index[:, start : start + CHUNK])
-        if (np.any(np.diff(ids) <= 0) or n.min() < 1 or ids_at.min() < 0 or np.any(ids_at % 4)
-                or (ids_at + 4 * n).max() > file_bytes or mask_bit.min() < 0 or (mask_bit + n).max() > 8 * file_bytes
-                or rid_bytes.min() < 0 or rid_at.min() < -1 or (rid_at + rid_bytes).max() > file_bytes):
+        if (
+            np.any(np.diff(ids) <= 0)
+            or n.min() < 1
+            or ids_at.min() < 0
+            or np.any(ids_at % 4)
+            or (ids_at + 4 * n).max() > file_bytes
+            or mask_bit.min() < 0
+            or (mask_bit + n).max() > 8 * file_bytes
+            or rid_bytes.min() < 0
+            or rid_at.min() < -1
+            or (rid_at + rid_bytes).max() > file_bytes
+        ):
             return None
     return index
 
 
-def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, options: EncodeOptions,
-           on_bad_record: str, workers: int, on_progress: Callable[[int, int], None]) -> None:
+def _build(
+    folder: Path,
+    key: str,
+    fields: dict,
+    paths: list[Path],
+    tokenizer,
+    options: EncodeOptions,
+    on_bad_record: str,
+    workers: int,
+    on_progress: Callable[[int, int], None],
+) -> None:
     path = folder / f"{key}.arrow"
     tmp = path.with_suffix(f".arrow.tmp{os.getpid()}")
     report = LoadedData([], 0, fields["source_hash"])
@@ -366,13 +424,20 @@ def _build(folder: Path, key: str, fields: dict, paths: list[Path], tokenizer, o
             os.fsync(f.fileno())
         crc32 = _checksum(tmp)
         os.replace(tmp, path)
-        info = {**fields, "rows": rows, "crc32": crc32, "report": {k: v for k, v in asdict(report).items() if k != "samples"}}
+        info = {
+            **fields,
+            "rows": rows,
+            "crc32": crc32,
+            "report": {k: v for k, v in asdict(report).items() if k != "samples"},
+        }
         info_tmp = folder / f"{key}.json.tmp{os.getpid()}"
         info_tmp.write_text(json.dumps(info, sort_keys=True) + "\n")
         os.replace(info_tmp, folder / f"{key}.json")
     except OSError as e:
-        raise DFlashCacheError(f"writing the tokenized data to {folder} failed ({e.strerror or e}); free space "
-                               "there or pass --tokenized-dir DIR") from None
+        raise DFlashCacheError(
+            f"writing the tokenized data to {folder} failed ({e.strerror or e}); free space "
+            "there or pass --tokenized-dir DIR"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
         pa.default_memory_pool().release_unused()  # the pool keeps its peak resident otherwise
@@ -383,9 +448,14 @@ def _record_batch(samples: list[Sample]) -> pa.RecordBatch:
     values = pa.array(np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False))
     mask_values = pa.array(np.concatenate([s.loss_mask for s in samples]).astype(bool, copy=False), pa.bool_())
     return pa.RecordBatch.from_arrays(
-        [pa.array([s.sample_id for s in samples], pa.int64()), pa.ListArray.from_arrays(offsets, values),
-         pa.ListArray.from_arrays(offsets, mask_values), pa.array([s.record_id for s in samples], pa.string())],
-        schema=SCHEMA)
+        [
+            pa.array([s.sample_id for s in samples], pa.int64()),
+            pa.ListArray.from_arrays(offsets, values),
+            pa.ListArray.from_arrays(offsets, mask_values),
+            pa.array([s.record_id for s in samples], pa.string()),
+        ],
+        schema=SCHEMA,
+    )
 
 
 def _source_hash(paths: list[Path], folder: Path) -> str:

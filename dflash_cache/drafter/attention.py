@@ -27,8 +27,12 @@ compiled_flex_attention = compile_flex_attention()
 #    both layer kinds: faster than its default per layer, side by side (benchmarks/flex_configs.py).
 KERNEL_OPTIONS = {
     "FORCE_USE_FLEX_ATTENTION": True,
-    "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-    "bwd_num_stages": 3, "bwd_num_warps": 4,
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 3,
+    "bwd_num_warps": 4,
 }
 
 # On the CPU, flex-attention runs unfused (compiling its CPU kernel takes most of a minute and buys
@@ -45,8 +49,9 @@ def pack_heads(t: torch.Tensor, key_heads: int) -> torch.Tensor:
     return t.view(tokens, key_heads, group, dim).permute(1, 0, 2, 3).reshape(1, key_heads, tokens * group, dim)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor,
-           group: int) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor, group: int
+) -> torch.Tensor:
     """q [1, Hkv, Q * group, D], k, v [1, Hkv, KV, D] (pack_heads) -> [Q, Hkv * group, D]. `mask` is a dense
     [Q, KV] bool, or a BlockMask with `group` rows per query (masks.block_mask's `group`): each key head then
     attends once for its group of query heads."""
@@ -59,7 +64,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
         per_head = per_head.reshape(1, key_heads * group, queries, dim)
         return reference_attention(per_head, k, v, mask)[0].transpose(0, 1)
     # Inside a compiled drafter torch.compile captures flex_attention itself.
-    kernel = compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
+    kernel = (
+        compiled_flex_attention if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
+    )
     out = kernel(q, k, v, block_mask=mask, kernel_options=KERNEL_OPTIONS)
     return out.view(key_heads, queries, group, dim).permute(1, 0, 2, 3).reshape(queries, key_heads * group, dim)
 

@@ -54,8 +54,11 @@ def read_weights(path: Path, config: DrafterConfig, config_path: Path) -> dict[s
         expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
     problems = [f"{name} is missing" for name in expected if name not in state]
     problems += [f"{name} is not a weight of this drafter" for name in state if name not in expected]
-    problems += [f"{name} is {list(t.shape)}, the config makes it {list(expected[name])}"
-                 for name, t in state.items() if name in expected and tuple(t.shape) != expected[name]]
+    problems += [
+        f"{name} is {list(t.shape)}, the config makes it {list(expected[name])}"
+        for name, t in state.items()
+        if name in expected and tuple(t.shape) != expected[name]
+    ]
     problems += [f"{name} is {t.dtype}, not floating point" for name, t in state.items() if not t.is_floating_point()]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

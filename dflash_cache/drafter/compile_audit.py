@@ -29,14 +29,21 @@ class CompileCounts:
         from torch._dynamo.utils import counters, guard_failures
 
         ok = counters["frames"]["ok"]
-        return cls(ok, counters["frames"]["total"] - ok, counters["stats"]["unique_graphs"],
-                   {code: list(reasons) for code, reasons in guard_failures.items()})
+        return cls(
+            ok,
+            counters["frames"]["total"] - ok,
+            counters["stats"]["unique_graphs"],
+            {code: list(reasons) for code, reasons in guard_failures.items()},
+        )
 
     def __sub__(self, earlier: CompileCounts) -> CompileCounts:
-        failures = {code: reasons[len(earlier.failures.get(code, ())):] for code, reasons in self.failures.items()}
-        return CompileCounts(self.frames - earlier.frames, self.left_to_eager - earlier.left_to_eager,
-                             self.graphs - earlier.graphs,
-                             {code: reasons for code, reasons in failures.items() if reasons})
+        failures = {code: reasons[len(earlier.failures.get(code, ())) :] for code, reasons in self.failures.items()}
+        return CompileCounts(
+            self.frames - earlier.frames,
+            self.left_to_eager - earlier.left_to_eager,
+            self.graphs - earlier.graphs,
+            {code: reasons for code, reasons in failures.items() if reasons},
+        )
 
     @property
     def reasons(self) -> list[str]:
@@ -48,12 +55,18 @@ class CompileCounts:
         return self.frames > 0 or self.left_to_eager > 0 or self.graphs > 0 or bool(self.reasons)
 
     def to_dict(self, max_reasons: int = 5) -> dict:
-        return {"frames": self.frames, "left_to_eager": self.left_to_eager, "graphs": self.graphs,
-                "recompile_reasons": len(self.reasons), "first_reasons": self.reasons[:max_reasons]}
+        return {
+            "frames": self.frames,
+            "left_to_eager": self.left_to_eager,
+            "graphs": self.graphs,
+            "recompile_reasons": len(self.reasons),
+            "first_reasons": self.reasons[:max_reasons],
+        }
 
 
-def distinct_length_plans(steps: int, token_budget: int, seed: int = 0, median: float = 0.0,
-                          sigma: float = 1.0, min_length: int = 8) -> list[list[int]]:
+def distinct_length_plans(
+    steps: int, token_budget: int, seed: int = 0, median: float = 0.0, sigma: float = 1.0, min_length: int = 8
+) -> list[list[int]]:
     """`steps` packed batches of sample lengths, no two alike in (number of samples, lengths) nor,
     where the budget allows, in total tokens: lognormal lengths around `median` (default an eighth of
     the budget) packed greedily up to a budget that itself varies between half and all of

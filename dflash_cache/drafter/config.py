@@ -10,8 +10,16 @@ from pathlib import Path
 from dflash_cache.errors import DFlashCacheError
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "vocab_size", "max_position_embeddings")
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
 MAX_BLOCK_SIZE = 256  # DFlash drafts 16 tokens a block; eval and training allocate block_size slots per anchor
 MAX_POSITIONS = 1 << 24  # above any model's context; serving engines size position tables from it
 
@@ -34,7 +42,9 @@ class DrafterConfig:
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int = 0
-    mask_token: str | None = None  # the mask token's text, where it is a token of the vocabulary (engines check the two agree)
+    mask_token: str | None = (
+        None  # the mask token's text, where it is a token of the vocabulary (engines check the two agree)
+    )
     num_target_layers: int = 0
     target_hidden_size: int = 0  # 0: same as hidden_size
     layer_types: list[str] = field(default_factory=list)  # empty: all full attention
@@ -53,11 +63,19 @@ class DrafterConfig:
 
     def check_types(self) -> None:
         """A config file someone shared may hold "1" or 0 where the rest divides, multiplies or compares."""
-        problems = [f"{name} must be a positive integer, not {getattr(self, name)!r}" for name in SIZE_FIELDS
-                    if type(getattr(self, name)) is not int or getattr(self, name) < 1]
-        problems += [f"{name} must be a list, not {getattr(self, name)!r}" for name in ("target_layer_ids", "layer_types")
-                     if not isinstance(getattr(self, name), (list, tuple))]
-        if isinstance(self.target_layer_ids, (list, tuple)) and not all(type(i) is int and i >= 0 for i in self.target_layer_ids):
+        problems = [
+            f"{name} must be a positive integer, not {getattr(self, name)!r}"
+            for name in SIZE_FIELDS
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1
+        ]
+        problems += [
+            f"{name} must be a list, not {getattr(self, name)!r}"
+            for name in ("target_layer_ids", "layer_types")
+            if not isinstance(getattr(self, name), (list, tuple))
+        ]
+        if isinstance(self.target_layer_ids, (list, tuple)) and not all(
+            type(i) is int and i >= 0 for i in self.target_layer_ids
+        ):
             problems.append(f"target_layer_ids must be layer numbers, not {self.target_layer_ids!r}")
         if problems:
             raise DFlashCacheError("invalid drafter config: " + "; ".join(problems) + ".")
@@ -80,19 +98,25 @@ class DrafterConfig:
         if type(self.block_size) is not int or not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             problems.append(f"block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, not {self.block_size!r}")
         if type(self.mask_token_id) is not int or not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id must be a token id below vocab_size {self.vocab_size}, not {self.mask_token_id!r}")
+            problems.append(
+                f"mask_token_id must be a token id below vocab_size {self.vocab_size}, not {self.mask_token_id!r}"
+            )
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
                 problems.append(f"{name} must be a finite positive number, not {value!r}")
         if self.max_position_embeddings > MAX_POSITIONS:
-            problems.append(f"max_position_embeddings must be at most {MAX_POSITIONS:,}, not {self.max_position_embeddings:,}")
+            problems.append(
+                f"max_position_embeddings must be at most {MAX_POSITIONS:,}, not {self.max_position_embeddings:,}"
+            )
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
             problems.append(f"sliding_window must be a positive integer or null, not {self.sliding_window!r}")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
         elif self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
-            problems.append(f"target_layer_ids {self.target_layer_ids} exceed the target's {self.num_target_layers} layers")
+            problems.append(
+                f"target_layer_ids {self.target_layer_ids} exceed the target's {self.num_target_layers} layers"
+            )
         if problems:
             raise DFlashCacheError("invalid drafter config: " + "; ".join(problems) + ".")
 
@@ -157,7 +181,9 @@ def load_drafter_config(name_or_path: str | Path) -> DrafterConfig:
         return replace(PRESETS[str(name_or_path)])
     path = Path(name_or_path)
     if path.suffix == ".json" and not path.exists():
-        raise DFlashCacheError(f"drafter config {path} does not exist; give a JSON file or a preset ({', '.join(PRESETS)}).")
+        raise DFlashCacheError(
+            f"drafter config {path} does not exist; give a JSON file or a preset ({', '.join(PRESETS)})."
+        )
     if not path.is_file():
         raise DFlashCacheError(
             f"drafter config {str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file."

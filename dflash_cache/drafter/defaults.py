@@ -58,21 +58,33 @@ def unused_special_token(target_dir: Path, vocab_size: int) -> MaskToken | None:
     last one added (SmolLM2's <empty_output>): such tokens mark pretraining documents, never chat."""
     target_dir = Path(target_dir)
     config = _json(target_dir / "tokenizer_config.json")
-    named = {value.get("content") if isinstance(value, dict) else value for key, value in config.items()
-             if key.endswith("_token")}
+    named = {
+        value.get("content") if isinstance(value, dict) else value
+        for key, value in config.items()
+        if key.endswith("_token")
+    }
     template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else ""
     try:
         template += (target_dir / "chat_template.jinja").read_text()
     except OSError:
         pass
-    candidates = [(t["id"], t["content"]) for t in _json(target_dir / "tokenizer.json").get("added_tokens", [])
-                  if t.get("special") and isinstance(t.get("id"), int) and isinstance(t.get("content"), str)
-                  and t["id"] < vocab_size and t["content"] not in named and t["content"] not in template]
+    candidates = [
+        (t["id"], t["content"])
+        for t in _json(target_dir / "tokenizer.json").get("added_tokens", [])
+        if t.get("special")
+        and isinstance(t.get("id"), int)
+        and isinstance(t.get("content"), str)
+        and t["id"] < vocab_size
+        and t["content"] not in named
+        and t["content"] not in template
+    ]
     if not candidates:
         return None
     reserved = [c for c in candidates if "reserved" in c[1].lower() or "unused" in c[1].lower()]
     token_id, text = reserved[0] if reserved else max(candidates)
-    return MaskToken(token_id, text, "a special token that neither the tokenizer's named tokens nor the chat template use")
+    return MaskToken(
+        token_id, text, "a special token that neither the tokenizer's named tokens nor the chat template use"
+    )
 
 
 def choose_mask_token(target_dir: Path, vocab_size: int) -> MaskToken:
@@ -84,7 +96,8 @@ def choose_mask_token(target_dir: Path, vocab_size: int) -> MaskToken:
     if special is None:
         raise DFlashCacheError(
             f"the tokenizer in {target_dir} declares no mask token, every embedding row is a token and no special "
-            "token is free to take its place; set mask_token_id in a drafter JSON file (--drafter FILE.json)")
+            "token is free to take its place; set mask_token_id in a drafter JSON file (--drafter FILE.json)"
+        )
     return special
 
 
@@ -94,8 +107,9 @@ def _rope_theta(text_config) -> float:
     return float(theta if theta is not None else getattr(text_config, "rope_theta", 1e6))
 
 
-def target_drafter_config(target_dir: Path, layer_ids: list[int], mask_token_id: int,
-                          mask_token: str | None = None) -> DrafterConfig:
+def target_drafter_config(
+    target_dir: Path, layer_ids: list[int], mask_token_id: int, mask_token: str | None = None
+) -> DrafterConfig:
     """The default drafter for the target whose config.json is in `target_dir`, reading `layer_ids`."""
     info = read_target_info(target_dir)
     text = info.config.get_text_config()
@@ -131,7 +145,9 @@ def describe_drafter(config: DrafterConfig) -> str:
     source = {TARGET: "the target's shape", None: "a JSON file"}.get(config.preset, f"preset {config.preset}")
     window = f", sliding window {config.sliding_window}" if "sliding_attention" in config.layer_types else ""
     mask = f" {config.mask_token}" if config.mask_token else ""
-    return (f"drafter ({source}): {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-            f"FFN {config.intermediate_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV "
-            f"heads of {config.head_dim}, block {config.block_size}{window}, mask token {config.mask_token_id}{mask}, "
-            f"reading target layers {config.target_layer_ids}: {parameter_count(config) / 1e6:,.2f}M parameters")
+    return (
+        f"drafter ({source}): {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"FFN {config.intermediate_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV "
+        f"heads of {config.head_dim}, block {config.block_size}{window}, mask token {config.mask_token_id}{mask}, "
+        f"reading target layers {config.target_layer_ids}: {parameter_count(config) / 1e6:,.2f}M parameters"
+    )

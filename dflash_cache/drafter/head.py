@@ -45,17 +45,26 @@ class TargetHead:
         """The file's tensors must have the shapes of the target the cache's spec names; read from
         its header alone, before a run folder is made (a head someone shared of another shape
         stopped the first step with a bare `RuntimeError: The size of tensor a ...`)."""
-        expected = {"embed_tokens.weight": [vocab_size, hidden_size], "norm.weight": [hidden_size],
-                    "lm_head.weight": [vocab_size, hidden_size]}
+        expected = {
+            "embed_tokens.weight": [vocab_size, hidden_size],
+            "norm.weight": [hidden_size],
+            "lm_head.weight": [vocab_size, hidden_size],
+        }
         try:
             with safe_open(str(path), "pt") as f:
                 found = {k: list(f.get_slice(k).get_shape()) for k in HEAD_KEYS if k in f.keys()}
         except (SafetensorError, OSError) as e:
-            raise DFlashCacheError(f"{path}: unreadable ({first_line(e)}); re-run extract to rewrite the target head.") from None
+            raise DFlashCacheError(
+                f"{path}: unreadable ({first_line(e)}); re-run extract to rewrite the target head."
+            ) from None
         if found != expected:
-            wrong = "; ".join(f"{k} is {found.get(k, 'missing')}, not {v}" for k, v in expected.items() if found.get(k) != v)
-            raise DFlashCacheError(f"{path} does not hold the head of the cache's target "
-                                   f"(vocabulary {vocab_size}, hidden size {hidden_size}): {wrong}")
+            wrong = "; ".join(
+                f"{k} is {found.get(k, 'missing')}, not {v}" for k, v in expected.items() if found.get(k) != v
+            )
+            raise DFlashCacheError(
+                f"{path} does not hold the head of the cache's target "
+                f"(vocabulary {vocab_size}, hidden size {hidden_size}): {wrong}"
+            )
 
     @property
     def vocab_size(self) -> int:

@@ -24,8 +24,9 @@ WARPS = 4  # of each segment's program
 
 
 @triton.jit
-def _segment_stats(logits, stride, vocab, per_segment, seg_max, seg_sum, seg_index, SEGMENTS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _segment_stats(
+    logits, stride, vocab, per_segment, seg_max, seg_sum, seg_index, SEGMENTS: tl.constexpr, BLOCK: tl.constexpr
+):
     """One segment of a row: its maximum, the sum of exp(logit - maximum) and the first index of the maximum."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
@@ -81,8 +82,9 @@ def _row_gradient(logits, labels, scales, nll, stride, vocab, grad, BLOCK: tl.co
 
 
 @triton_op("dflash_cache::head_row_terms", mutates_args=())
-def row_terms(logits: torch.Tensor, labels: torch.Tensor, scales: torch.Tensor, with_grad: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_terms(
+    logits: torch.Tensor, labels: torch.Tensor, scales: torch.Tensor, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] (rows contiguous), labels [R], scales [R] fp32 -> (nll [R] fp32, argmax [R] int64,
     (softmax - onehot) * scales [R, V] in the logits' dtype; [0, V] when not with_grad)."""
     rows, vocab = logits.shape
@@ -94,11 +96,23 @@ def row_terms(logits: torch.Tensor, labels: torch.Tensor, scales: torch.Tensor, 
     per_segment = triton.cdiv(triton.cdiv(vocab, SEGMENTS), BLOCK) * BLOCK
     seg_max, seg_sum = (torch.empty(rows, SEGMENTS, dtype=torch.float32, device=logits.device) for _ in range(2))
     seg_index = torch.empty(rows, SEGMENTS, dtype=torch.int64, device=logits.device)
-    wrap_triton(_segment_stats)[(rows, SEGMENTS)](logits, logits.stride(0), vocab, per_segment, seg_max, seg_sum,
-                                                  seg_index, SEGMENTS=SEGMENTS, BLOCK=BLOCK, num_warps=WARPS)
-    wrap_triton(_row_stats)[(rows,)](logits, labels, logits.stride(0), seg_max, seg_sum, seg_index, nll, argmax,
-                                     SEGMENTS=SEGMENTS)
+    wrap_triton(_segment_stats)[(rows, SEGMENTS)](
+        logits,
+        logits.stride(0),
+        vocab,
+        per_segment,
+        seg_max,
+        seg_sum,
+        seg_index,
+        SEGMENTS=SEGMENTS,
+        BLOCK=BLOCK,
+        num_warps=WARPS,
+    )
+    wrap_triton(_row_stats)[(rows,)](
+        logits, labels, logits.stride(0), seg_max, seg_sum, seg_index, nll, argmax, SEGMENTS=SEGMENTS
+    )
     if with_grad:
         wrap_triton(_row_gradient)[(rows, triton.cdiv(vocab, BLOCK))](
-            logits, labels, scales, nll, logits.stride(0), vocab, grad, BLOCK=BLOCK)
+            logits, labels, scales, nll, logits.stride(0), vocab, grad, BLOCK=BLOCK
+        )
     return nll, argmax, grad

@@ -20,9 +20,14 @@ if torch.cuda.is_available():  # Triton comes with CUDA builds of torch only
 LOGITS_PER_CHUNK = 1 << 28  # fp32 logits elements per chunk (1 GiB)
 
 
-def chunk_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-                with_grad: bool, label_probs: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def chunk_terms(
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    with_grad: bool,
+    label_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: (cross-entropy of each row [r] fp32, argmax predictions [r], gradient of
     sum_r row_weights[r] * CE_r wrt states [r, H], or None).
 
@@ -36,9 +41,14 @@ def chunk_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return nll, predictions, grad @ weight if with_grad else None
 
 
-def reference_terms(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-                    with_grad: bool, label_probs: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def reference_terms(
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    with_grad: bool,
+    label_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """chunk_terms in plain torch."""
     logits = (states.to(weight.dtype) @ weight.T).float()
     label = labels[:, None] if label_probs is None else labels
@@ -80,8 +90,13 @@ def chunk_sizes(rows: int, chunk_rows: int, tile: int = 128, least: int = 16) ->
 
 
 def head_cross_entropy(
-    states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-    chunk_rows: int | None = None, terms: Callable = chunk_terms, label_probs: torch.Tensor | None = None,
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_rows: int | None = None,
+    terms: Callable = chunk_terms,
+    label_probs: torch.Tensor | None = None,
     reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted CE sum over rows, argmax predictions) for states [R, H] through the head weight [V, H].
@@ -102,8 +117,10 @@ def head_cross_entropy(
     with_grad = states.requires_grad and torch.is_grad_enabled()
     probs = [None] * len(sizes) if label_probs is None else label_probs.split(sizes)
     with torch.no_grad():
-        parts = [terms(s, weight.detach(), y, w, with_grad, p) for s, y, w, p in
-                 zip(states.detach().split(sizes), labels.split(sizes), row_weights.split(sizes), probs)]
+        parts = [
+            terms(s, weight.detach(), y, w, with_grad, p)
+            for s, y, w, p in zip(states.detach().split(sizes), labels.split(sizes), row_weights.split(sizes), probs)
+        ]
         nll = torch.cat([part[0] for part in parts])
         scale = row_weights.float()
         grad = torch.cat([part[2] for part in parts]) if with_grad else None

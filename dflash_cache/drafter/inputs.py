@@ -64,5 +64,7 @@ class DraftInputs:
             seq_ids=torch.cat([self.seq_ids, next_sequence.expand(pad)]),
             anchors=torch.cat([self.anchors, self.anchors.new_full((anchor_budget - a,), n)]),
             topk_ids=None if self.topk_ids is None else torch.cat([self.topk_ids, zeros(self.topk_ids)]),
-            topk_logprobs=None if self.topk_logprobs is None else torch.cat([self.topk_logprobs, zeros(self.topk_logprobs)]),
+            topk_logprobs=None
+            if self.topk_logprobs is None
+            else torch.cat([self.topk_logprobs, zeros(self.topk_logprobs)]),
         )

@@ -74,15 +74,23 @@ def block_topk(inputs: DraftInputs, block_size: int) -> tuple[torch.Tensor, torc
     """(ids [A, B-1, K], probabilities [A, B-1, K]) of the target's top-K at a+k-1 for slots 1..B-1, the
     probabilities renormalised over the K kept tokens."""
     if inputs.topk_ids is None or inputs.topk_logprobs is None:
-        raise DFlashCacheError("--loss topk needs the target's top-K labels, which this cache lacks: extract it "
-                               "with --topk K (e.g. --topk 8), or train with --loss dflash or dpace")
+        raise DFlashCacheError(
+            "--loss topk needs the target's top-K labels, which this cache lacks: extract it "
+            "with --topk K (e.g. --topk 8), or train with --loss dflash or dpace"
+        )
     index = inputs.anchors[:, None] + torch.arange(0, block_size - 1, device=inputs.anchors.device)
     return inputs.topk_ids[index], torch.softmax(inputs.topk_logprobs[index].float(), dim=-1)
 
 
 def drafter_loss(
-    states: torch.Tensor, lm_head: torch.Tensor, inputs: DraftInputs, gamma: float, labels: str = "target",
-    terms: Callable = chunk_terms, loss: str = LOSSES[0], dpace_alpha: float = DPACE_ALPHA,
+    states: torch.Tensor,
+    lm_head: torch.Tensor,
+    inputs: DraftInputs,
+    gamma: float,
+    labels: str = "target",
+    terms: Callable = chunk_terms,
+    loss: str = LOSSES[0],
+    dpace_alpha: float = DPACE_ALPHA,
 ) -> DrafterLoss:
     """states [A, B, H]: the drafter's final hidden states of every block (slot 0 is not scored);
     `terms` the head loss's per-chunk math (a compiled region in the eager drafter); `loss` one of
@@ -98,15 +106,21 @@ def drafter_loss(
         # Normalised by the number of counted slots: the weights themselves carry the emphasis.
         row_weights = (counted / counted.sum().clamp_min(1)).reshape(-1)
         value, predictions = head_cross_entropy(
-            rows, lm_head, wanted.reshape(-1), row_weights, terms=terms,
-            reweight=lambda nll: dpace_weights(nll.view(a, b - 1), counted, dpace_alpha).reshape(-1))
+            rows,
+            lm_head,
+            wanted.reshape(-1),
+            row_weights,
+            terms=terms,
+            reweight=lambda nll: dpace_weights(nll.view(a, b - 1), counted, dpace_alpha).reshape(-1),
+        )
     else:
         weights = slot_weights(b, gamma, states.device)[None, :] * counted
         row_weights = (weights / weights.sum().clamp_min(1e-6)).reshape(-1)
         if loss == "topk":
             ids, probs = block_topk(inputs, b)
-            value, predictions = head_cross_entropy(rows, lm_head, ids.flatten(0, 1), row_weights, terms=terms,
-                                                    label_probs=probs.flatten(0, 1))
+            value, predictions = head_cross_entropy(
+                rows, lm_head, ids.flatten(0, 1), row_weights, terms=terms, label_probs=probs.flatten(0, 1)
+            )
         else:
             value, predictions = head_cross_entropy(rows, lm_head, wanted.reshape(-1), row_weights, terms=terms)
     hits = predictions.view(a, b - 1) == wanted

@@ -182,11 +182,18 @@ class BatchMasks:
 
     @classmethod
     def build(
-        cls, layout: BlockLayout, layer_types: list[str], sliding_window: int | None, dense: bool = False,
-        tile: int = 128, group: int = 1,
+        cls,
+        layout: BlockLayout,
+        layer_types: list[str],
+        sliding_window: int | None,
+        dense: bool = False,
+        tile: int = 128,
+        group: int = 1,
     ) -> BatchMasks:
         windows = {"full_attention": None, "sliding_attention": sliding_window}
         by_type = {}
         for kind in dict.fromkeys(layer_types):
-            by_type[kind] = dense_mask(layout, windows[kind]) if dense else block_mask(layout, windows[kind], tile, group)
+            by_type[kind] = (
+                dense_mask(layout, windows[kind]) if dense else block_mask(layout, windows[kind], tile, group)
+            )
         return cls(layout, by_type)

@@ -60,8 +60,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-def attention_heads(x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, inv_freq: torch.Tensor, key_heads: int,
-                    fused: bool) -> torch.Tensor:
+def attention_heads(
+    x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, inv_freq: torch.Tensor, key_heads: int, fused: bool
+) -> torch.Tensor:
     """A projection [T, H * D] -> [1, key_heads, T * G, D] for `attend`: each head RMS-normed and rotated to
     its position. fused: one Triton pass (drafter/rotary_kernel.py); else this torch code, its reference."""
     if fused:
@@ -91,8 +92,14 @@ class Attention(nn.Module):
         half = self.head_dim // 2  # the kernel's tiles take a power of two
         fused = isinstance(mask, BlockMask) and x.is_cuda and half & (half - 1) == 0
         q = attention_heads(self.q_proj(x), self.q_norm, positions_q, inv_freq, self.key_heads, fused)
-        k = attention_heads(torch.cat([self.k_proj(context), self.k_proj(x)]), self.k_norm, positions_kv, inv_freq,
-                            self.key_heads, fused)
+        k = attention_heads(
+            torch.cat([self.k_proj(context), self.k_proj(x)]),
+            self.k_norm,
+            positions_kv,
+            inv_freq,
+            self.key_heads,
+            fused,
+        )
         v = torch.cat([self.v_proj(context), self.v_proj(x)]).unflatten(-1, (-1, self.head_dim))
         v = pack_heads(v, self.key_heads)
         return self.o_proj(attend(q, k, v, mask, self.group).flatten(1))
@@ -208,8 +215,21 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(hidden))
 
     def forward(
-        self, inputs: DraftInputs, masks: BatchMasks | None = None, gamma: float = 7.0, labels: str = "target",
-        loss: str = LOSSES[0], dpace_alpha: float = DPACE_ALPHA,
+        self,
+        inputs: DraftInputs,
+        masks: BatchMasks | None = None,
+        gamma: float = 7.0,
+        labels: str = "target",
+        loss: str = LOSSES[0],
+        dpace_alpha: float = DPACE_ALPHA,
     ) -> DrafterLoss:
-        return drafter_loss(self.block_states(inputs, masks), self.head.lm_head, inputs, gamma, labels, self.loss_terms,
-                            loss, dpace_alpha)
+        return drafter_loss(
+            self.block_states(inputs, masks),
+            self.head.lm_head,
+            inputs,
+            gamma,
+            labels,
+            self.loss_terms,
+            loss,
+            dpace_alpha,
+        )

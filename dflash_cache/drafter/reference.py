@@ -39,8 +39,11 @@ def config_to_reference(config: DrafterConfig, dtype: str) -> dict:
         "sliding_window": config.sliding_window if sliding else None,
         "num_target_layers": config.num_target_layers,
         "block_size": config.block_size,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-                          **({"mask_token": config.mask_token} if config.mask_token else {})},
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            **({"mask_token": config.mask_token} if config.mask_token else {}),
+        },
         "dtype": dtype,
     }
 

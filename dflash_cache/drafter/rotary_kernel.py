@@ -43,8 +43,20 @@ def _tiles(positions, inv_freq, weight, tokens, HALF: tl.constexpr, BLOCK_T: tl.
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def _forward(x, weight, positions, inv_freq, out, rstd, tokens, eps, GROUP: tl.constexpr, KEY_HEADS: tl.constexpr,
-             HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+def _forward(
+    x,
+    weight,
+    positions,
+    inv_freq,
+    out,
+    rstd,
+    tokens,
+    eps,
+    GROUP: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """One block of tokens, one key head and its GROUP query heads (the angles computed once for them)."""
     key_head = tl.program_id(1)
     rows64, keep, cols, cos, sin, w1, w2 = _tiles(positions, inv_freq, weight, tokens, HALF, BLOCK_T)
@@ -62,8 +74,21 @@ def _forward(x, weight, positions, inv_freq, out, rstd, tokens, eps, GROUP: tl.c
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def _backward(grad_out, x, weight, positions, inv_freq, rstd, grad_x, weight_parts, tokens, GROUP: tl.constexpr,
-              KEY_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+def _backward(
+    grad_out,
+    x,
+    weight,
+    positions,
+    inv_freq,
+    rstd,
+    grad_x,
+    weight_parts,
+    tokens,
+    GROUP: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     key_head = tl.program_id(1)
     rows64, keep, cols, cos, sin, w1, w2 = _tiles(positions, inv_freq, weight, tokens, HALF, BLOCK_T)
     part1 = tl.zeros((HALF,), tl.float32)
@@ -91,8 +116,9 @@ def _backward(grad_out, x, weight, positions, inv_freq, rstd, grad_x, weight_par
 
 
 @triton_op("dflash_cache::norm_rotate_pack", mutates_args=())
-def norm_rotate_pack(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                     key_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_rotate_pack(
+    x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, key_heads: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H * D] contiguous, weight [D], positions [T], inv_freq [D / 2] fp32 -> (out [1, key_heads, T * G, D]
     in x's dtype, reciprocal RMS [T, H] fp32)."""
     x = x.contiguous()  # the kernel indexes rows of H * D; a no-op for a projection's output
@@ -102,14 +128,32 @@ def norm_rotate_pack(x: torch.Tensor, weight: torch.Tensor, positions: torch.Ten
     out = x.new_empty((1, key_heads, tokens * group, 2 * half))
     rstd = torch.empty((tokens, heads), dtype=torch.float32, device=x.device)
     wrap_triton(_forward)[(triton.cdiv(tokens, BLOCK_T), key_heads)](
-        x, weight, positions, inv_freq, out, rstd, tokens, eps, GROUP=group, KEY_HEADS=key_heads, HALF=half,
-        BLOCK_T=BLOCK_T, num_warps=FORWARD_WARPS)
+        x,
+        weight,
+        positions,
+        inv_freq,
+        out,
+        rstd,
+        tokens,
+        eps,
+        GROUP=group,
+        KEY_HEADS=key_heads,
+        HALF=half,
+        BLOCK_T=BLOCK_T,
+        num_warps=FORWARD_WARPS,
+    )
     return out, rstd
 
 
 @triton_op("dflash_cache::norm_rotate_pack_backward", mutates_args=())
-def norm_rotate_pack_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                              inv_freq: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_rotate_pack_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of x [T, H * D], grad of weight [D] in its dtype) from grad_out [1, Hkv, T * G, D] contiguous."""
     x = x.contiguous()
     tokens, heads = rstd.shape
@@ -118,8 +162,21 @@ def norm_rotate_pack_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     grad_x = torch.empty_like(x)
     weight_parts = torch.empty((blocks * key_heads, 2 * half), dtype=torch.float32, device=x.device)
     wrap_triton(_backward)[(blocks, key_heads)](
-        grad_out, x, weight, positions, inv_freq, rstd, grad_x, weight_parts, tokens, GROUP=heads // key_heads,
-        KEY_HEADS=key_heads, HALF=half, BLOCK_T=BLOCK_T, num_warps=BACKWARD_WARPS)
+        grad_out,
+        x,
+        weight,
+        positions,
+        inv_freq,
+        rstd,
+        grad_x,
+        weight_parts,
+        tokens,
+        GROUP=heads // key_heads,
+        KEY_HEADS=key_heads,
+        HALF=half,
+        BLOCK_T=BLOCK_T,
+        num_warps=BACKWARD_WARPS,
+    )
     return grad_x, weight_parts.sum(0).to(weight.dtype)
 
 

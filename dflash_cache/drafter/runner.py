@@ -46,8 +46,15 @@ class DrafterRunner:
         if regions:
             self.drafter.compile_regions(backend)
 
-    def __call__(self, batch: FeatureBatch, anchors: torch.Tensor, gamma: float = 7.0, labels: str = "target",
-                 loss: str = LOSSES[0], dpace_alpha: float = DPACE_ALPHA) -> DrafterLoss:
+    def __call__(
+        self,
+        batch: FeatureBatch,
+        anchors: torch.Tensor,
+        gamma: float = 7.0,
+        labels: str = "target",
+        loss: str = LOSSES[0],
+        dpace_alpha: float = DPACE_ALPHA,
+    ) -> DrafterLoss:
         inputs = DraftInputs.build(batch, anchors)
         if self.compiled:
             inputs = inputs.padded(self.token_budget, self.anchor_budget, self.drafter.config.block_size)

@@ -8,5 +8,11 @@ or export folders) · prompts.py
 from dflash_cache.eval.offline import OfflineOptions, OfflineReport, evaluate_offline
 from dflash_cache.eval.speculative import SpeculativeOptions, SpeculativeReport, evaluate_speculative
 
-__all__ = ["OfflineOptions", "OfflineReport", "SpeculativeOptions", "SpeculativeReport", "evaluate_offline",
-           "evaluate_speculative"]
+__all__ = [
+    "OfflineOptions",
+    "OfflineReport",
+    "SpeculativeOptions",
+    "SpeculativeReport",
+    "evaluate_offline",
+    "evaluate_speculative",
+]

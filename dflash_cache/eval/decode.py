@@ -69,7 +69,12 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set
 
 @torch.inference_mode()
 def speculative_generate(
-    runner: TargetRunner, draft: Drafter, block_size: int, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+    runner: TargetRunner,
+    draft: Drafter,
+    block_size: int,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
     kv_cache: bool = False,
 ) -> Generation:
     """Greedy speculative decoding; `runner` must capture the layers the drafter reads. `kv_cache`:
@@ -85,7 +90,7 @@ def speculative_generate(
         a = sequence.shape[0] - 1
         drafts = draft(sequence, features[:a]).to(device)
         first = a if cache is None else 0  # where x_a is in the verifying forward
-        block = torch.cat([sequence[a - first:], drafts])
+        block = torch.cat([sequence[a - first :], drafts])
         out = runner.run(block[None], torch.tensor([block.shape[0]]), cache)
         generation.target_forwards += 1
         verdict = out.target_ids[0, first:]  # t_0 .. t_{B-1}: the target's token after x_a, d_1, ...

@@ -1,8 +1,8 @@
 """Load a drafter to evaluate from any of the folders that hold one.
 
-    RUN/checkpoints/step-N/   a training checkpoint: drafter.safetensors + drafter_config.json
-    RUN/                      a training run: its newest complete checkpoint
-    OUT/                      an export (`dflash-cache export`): config.json + model.safetensors
+RUN/checkpoints/step-N/   a training checkpoint: drafter.safetensors + drafter_config.json
+RUN/                      a training run: its newest complete checkpoint
+OUT/                      an export (`dflash-cache export`): config.json + model.safetensors
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def _run_file(run: Path) -> dict:
     try:
         values = json.loads((run / RUN_FILE).read_text())
     except JSON_FILE_ERRORS as e:
-        raise DFlashCacheError(f"{run / RUN_FILE}: unreadable ({e}); pass --eval-fraction and the other options") from None
+        raise DFlashCacheError(
+            f"{run / RUN_FILE}: unreadable ({e}); pass --eval-fraction and the other options"
+        ) from None
     if not isinstance(values, dict):
         raise DFlashCacheError(f"{run / RUN_FILE} is not a JSON object; pass --eval-fraction and the other options")
     return values
@@ -103,7 +105,9 @@ def run_caches(run: Path) -> list:
     return _run_file(run).get("cache_specs", [])
 
 
-def check_fits(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int, layer_ids: list[int] | None = None) -> None:
+def check_fits(
+    config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int, layer_ids: list[int] | None = None
+) -> None:
     """The drafter must read this target: same hidden size and vocabulary, layers it has (or the cache holds)."""
     problems = []
     if config.hidden_size != hidden_size:
@@ -118,8 +122,13 @@ def check_fits(config: DrafterConfig, hidden_size: int, vocab_size: int, num_lay
         raise DFlashCacheError("the drafter was not trained for this target: " + "; ".join(problems) + ".")
 
 
-def build_drafter(config: DrafterConfig, state: dict[str, torch.Tensor], head: TargetHead, device: torch.device | str,
-                  attention: str = "flex") -> DFlashDrafter:
+def build_drafter(
+    config: DrafterConfig,
+    state: dict[str, torch.Tensor],
+    head: TargetHead,
+    device: torch.device | str,
+    attention: str = "flex",
+) -> DFlashDrafter:
     """The drafter in fp32 on `device` (it runs under bf16 autocast, as in training), with `head`; built
     there, so that its random initialisation, which the checkpoint overwrites, costs no host minute."""
     with torch.device(device):

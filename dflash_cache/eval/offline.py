@@ -47,10 +47,20 @@ class OfflineOptions:
 
     def resolved(self, run_options: dict, device_type: str) -> OfflineOptions:
         token_budget, max_anchors = device_defaults(device_type)
-        fallback = {"eval_fraction": 0.0, "token_budget": token_budget, "max_anchors": max_anchors, "seed": 0,
-                    "gamma": 7.0, "labels": "target", "loss": LOSSES[0], "dpace_alpha": DPACE_ALPHA}
-        values = {name: getattr(self, name) if getattr(self, name) is not None else run_options.get(name, default)
-                  for name, default in fallback.items()}
+        fallback = {
+            "eval_fraction": 0.0,
+            "token_budget": token_budget,
+            "max_anchors": max_anchors,
+            "seed": 0,
+            "gamma": 7.0,
+            "labels": "target",
+            "loss": LOSSES[0],
+            "dpace_alpha": DPACE_ALPHA,
+        }
+        values = {
+            name: getattr(self, name) if getattr(self, name) is not None else run_options.get(name, default)
+            for name, default in fallback.items()
+        }
         return replace(self, **values)
 
 
@@ -68,12 +78,16 @@ class OfflineReport:
         return [
             f"samples: {self.split}",
             f"{self.samples} samples, {self.blocks} blocks: tau {self.tau:.3f}, loss {self.loss:.4f}",
-            "accuracy per block position 1..{}: {}".format(len(self.accuracy), " ".join(f"{a:.2f}" for a in self.accuracy)),
+            "accuracy per block position 1..{}: {}".format(
+                len(self.accuracy), " ".join(f"{a:.2f}" for a in self.accuracy)
+            ),
         ]
 
 
 @torch.no_grad()
-def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] = lambda done, total: None) -> OfflineReport:
+def evaluate_offline(
+    opts: OfflineOptions, on_batch: Callable[[int, int], None] = lambda done, total: None
+) -> OfflineReport:
     device = default_device(opts.device)
     config, state, source = read_drafter(opts.drafter)
     run = training_run(source)
@@ -81,9 +95,16 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
     caches = CacheSet(opts.caches)
     try:
         spec = caches.spec
-        check_fits(config, spec["target"]["hidden_size"], spec["target"]["vocab_size"], spec["target"]["num_layers"],
-                   spec["layer_ids"])
-        TargetHead.check_shapes(caches.head_dir / "head.safetensors", spec["target"]["vocab_size"], spec["target"]["hidden_size"])
+        check_fits(
+            config,
+            spec["target"]["hidden_size"],
+            spec["target"]["vocab_size"],
+            spec["target"]["num_layers"],
+            spec["layer_ids"],
+        )
+        TargetHead.check_shapes(
+            caches.head_dir / "head.safetensors", spec["target"]["vocab_size"], spec["target"]["hidden_size"]
+        )
         head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
         # On the CPU the dense-mask attention: flex-attention runs unfused there and holds every score.
         attention = "dense" if device.type == "cpu" else "flex"
@@ -91,7 +112,9 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
         train_keys, held_keys = caches.split(opts.eval_fraction)
         keys = train_keys if opts.eval_fraction == 0 else held_keys
         if not keys:
-            raise DFlashCacheError(f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it.")
+            raise DFlashCacheError(
+                f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it."
+            )
         if opts.eval_fraction == 0:
             split = "every sample of the cache" + ("" if run else " (the drafter comes from no training run)")
         else:
@@ -104,22 +127,35 @@ def evaluate_offline(opts: OfflineOptions, on_batch: Callable[[int, int], None] 
         tau_sum, blocks, loss = 0.0, 0, 0.0
         correct, total = torch.zeros(slots, dtype=torch.float64), torch.zeros(slots, dtype=torch.float64)
         if opts.loss == "topk" and not spec.get("topk"):
-            raise DFlashCacheError("the drafter was trained with --loss topk, whose loss needs the target's top-K labels, "
-                                   "which this cache lacks: evaluate on a cache extracted with --topk K")
+            raise DFlashCacheError(
+                "the drafter was trained with --loss topk, whose loss needs the target's top-K labels, "
+                "which this cache lacks: evaluate on a cache extracted with --topk K"
+            )
         with Loader(caches, [batch for _, batch in plan], device, topk=opts.loss == "topk") as loader:
             for done, ((index, _), batch) in enumerate(zip(plan, loader), 1):
                 generator = torch.Generator(device).manual_seed(batch_seed(opts.seed, EVAL, 0, index))
                 anchors = sample_anchors(batch, config.block_size, opts.max_anchors, generator)
                 try:
                     with torch.autocast(device.type, dtype=torch.bfloat16):
-                        out = runner(batch, anchors, gamma=opts.gamma, labels=opts.labels, loss=opts.loss,
-                                     dpace_alpha=opts.dpace_alpha)
+                        out = runner(
+                            batch,
+                            anchors,
+                            gamma=opts.gamma,
+                            labels=opts.labels,
+                            loss=opts.loss,
+                            dpace_alpha=opts.dpace_alpha,
+                        )
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not is_out_of_memory(e):
                         raise
-                    raise DFlashCacheError(out_of_memory(device, f"on a batch of {batch.num_tokens:,} tokens in "
-                                                                 f"{batch.num_sequences} sequences", opts.token_budget,
-                                                         opts.max_anchors)) from None
+                    raise DFlashCacheError(
+                        out_of_memory(
+                            device,
+                            f"on a batch of {batch.num_tokens:,} tokens in {batch.num_sequences} sequences",
+                            opts.token_budget,
+                            opts.max_anchors,
+                        )
+                    ) from None
                 tau_sum += float(out.tau * out.num_blocks)
                 blocks += int(out.num_blocks)
                 loss += float(out.loss)

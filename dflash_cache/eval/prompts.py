@@ -17,7 +17,9 @@ from dflash_cache.data.readers import Conversation, read_records
 from dflash_cache.errors import DFlashCacheError
 
 
-def load_prompts(paths: list[str | Path], tokenizer, num_prompts: int | None = None, max_length: int = 8192) -> list[list[int]]:
+def load_prompts(
+    paths: list[str | Path], tokenizer, num_prompts: int | None = None, max_length: int = 8192
+) -> list[list[int]]:
     """The prompts of the first `num_prompts` records that have one (all of them when None).
 
     Records are read and tokenized one by one in this process, and reading stops once enough
@@ -30,8 +32,13 @@ def load_prompts(paths: list[str | Path], tokenizer, num_prompts: int | None = N
             try:
                 if isinstance(record, Conversation) and not any(m["role"] == "assistant" for m in record.messages):
                     prompt = tokenizer.apply_chat_template(
-                        record.messages, tools=record.tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-                        **(options.template_kwargs or {}))["input_ids"][:max_length]
+                        record.messages,
+                        tools=record.tools,
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=True,
+                        **(options.template_kwargs or {}),
+                    )["input_ids"][:max_length]
                 else:
                     encoded = encode_record(tokenizer, vocab_size, record, options)
                     first = int(np.argmax(encoded.loss_mask)) if encoded.loss_mask.any() else 0

@@ -55,8 +55,14 @@ class ForwardBatch:
         """What the model's forward takes besides input_ids (extract/varlen.py reads the lengths)."""
         if self.cu_seqlens is None:
             return {}
-        return {"position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, "cu_seq_lens_cpu": self.cu_seqlens_cpu}
+        return {
+            "position_ids": self.position_ids,
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+            "cu_seq_lens_cpu": self.cu_seqlens_cpu,
+        }
 
 
 def padded_rows(samples: list[Sample], shape: tuple[int, int], device: torch.device | str) -> ForwardBatch:
@@ -69,7 +75,13 @@ def padded_rows(samples: list[Sample], shape: tuple[int, int], device: torch.dev
     for b, s in enumerate(samples):
         ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
     n = len(samples)
-    return ForwardBatch([s.sample_id for s in samples], to_device(ids, device), lengths, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    return ForwardBatch(
+        [s.sample_id for s in samples],
+        to_device(ids, device),
+        lengths,
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+    )
 
 
 class Layout(Protocol):

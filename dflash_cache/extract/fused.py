@@ -42,8 +42,13 @@ def fusable(model: torch.nn.Module) -> bool:
     """True for a qwen3_5 text model on CUDA where flash-linear-attention is installed."""
     config = model.config.get_text_config()
     hybrid = "linear_attention" in (getattr(config, "layer_types", None) or [])
-    return (hybrid and config.model_type in HYBRID_PACKABLE and model.device.type == "cuda"
-            and _fla() is not None and linear_attention_kernels() is not None)
+    return (
+        hybrid
+        and config.model_type in HYBRID_PACKABLE
+        and model.device.type == "cuda"
+        and _fla() is not None
+        and linear_attention_kernels() is not None
+    )
 
 
 def _zero_centered_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,16 +64,28 @@ def _swiglu_mlp(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_fla()["swiglu"](self.gate_proj(x), self.up_proj(x)))
 
 
-def _packed_gated_delta_net(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
-                            cu_seq_lens_q=None, cu_seq_lens_cpu=None, **kwargs) -> torch.Tensor:
+def _packed_gated_delta_net(
+    self,
+    hidden_states: torch.Tensor,
+    cache_params=None,
+    attention_mask=None,
+    cu_seq_lens_q=None,
+    cu_seq_lens_cpu=None,
+    **kwargs,
+) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet.forward for one packed row [1, T, hidden], no cache."""
     if cu_seq_lens_q is None or cache_params is not None or attention_mask is not None:
         raise ValueError("the fused linear-attention layer runs packed rows only (cu_seq_lens_q, no cache, no mask)")
     conv, rule = linear_attention_kernels()
     batch, seq, _ = hidden_states.shape
     bounds = dict(cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
-    mixed_qkv, _ = conv(self.in_proj_qkv(hidden_states), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                        activation=self.activation, **bounds)
+    mixed_qkv, _ = conv(
+        self.in_proj_qkv(hidden_states),
+        self.conv1d.weight.squeeze(1),
+        self.conv1d.bias,
+        activation=self.activation,
+        **bounds,
+    )
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, seq, -1, self.head_k_dim)
     key = key.reshape(batch, seq, -1, self.head_k_dim)

@@ -54,7 +54,9 @@ def read_target_info(path: str | Path) -> TargetInfo:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
-        raise DFlashCacheError(f"target {path}: cannot read config.json ({first_line(e)}); supported: {SUPPORTED}") from None
+        raise DFlashCacheError(
+            f"target {path}: cannot read config.json ({first_line(e)}); supported: {SUPPORTED}"
+        ) from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = getattr(config, "model_type", "?")
         raise DFlashCacheError(f"target {path}: model type '{kind}' is not a causal LM; supported: {SUPPORTED}")

@@ -157,8 +157,10 @@ CACHE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", TARGET_DIR, SHARD_DIR, JOURNAL_DIR
 def _cut_torn_journal(path: Path, on_note: Callable[[str], None]) -> None:
     """A crash while a journal line was appended leaves it torn: cut it before anything is appended."""
     if path.is_file() and (cut := cut_torn_line(path)):
-        on_note(f"{path}: cut a torn last line ({cut} bytes, left by a crash while it was written); "
-                "what it recorded is extracted again")
+        on_note(
+            f"{path}: cut a torn last line ({cut} bytes, left by a crash while it was written); "
+            "what it recorded is extracted again"
+        )
 
 
 def _exists(store: Path | RemoteDir, rel: str) -> bool:
@@ -186,11 +188,14 @@ def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length
     return PackedLayout(max(token_budget, longest))
 
 
-def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lambda p: None,
-            on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None,
-            on_data: Callable[[LoadedData], None] = lambda data: None,
-            on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None,
-            on_note: Callable[[str], None] = lambda line: None) -> ExtractSummary:
+def extract(
+    opts: ExtractOptions,
+    on_progress: Callable[[Progress], None] = lambda p: None,
+    on_plan: Callable[[int, int, str], None] = lambda samples, tokens, layout: None,
+    on_data: Callable[[LoadedData], None] = lambda data: None,
+    on_tokenize: Callable[[int, int], None] = lambda samples, tokens: None,
+    on_note: Callable[[str], None] = lambda line: None,
+) -> ExtractSummary:
     """Run (or resume) an extraction; returns when the cache is complete. `on_plan(samples, tokens,
     layout)` is called once with the work left to do and how the target runs it, `on_data` once with the loaded data (to report it),
     `on_tokenize(samples, tokens)` as data is tokenized (not at all when the tokenized data is kept
@@ -220,14 +225,31 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
     writing = False  # until then a failed run leaves the folder as it found it
     warmup = None
     try:
-        if opts.batching != "padded" and packed_support(info.config.get_text_config()) is None and (dist is None or dist[2] == 0):
+        if (
+            opts.batching != "padded"
+            and packed_support(info.config.get_text_config()) is None
+            and (dist is None or dist[2] == 0)
+        ):
             # Rows are max(token budget, longest sample) long: the budget, unless a sample is longer.
-            warmup = start_background_warmup(Path(opts.target), PackedLayout(budget), devices[0],
-                                             opts.kernel_cache, info.config.get_text_config())
+            warmup = start_background_warmup(
+                Path(opts.target), PackedLayout(budget), devices[0], opts.kernel_cache, info.config.get_text_config()
+            )
         tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
-        encoding = EncodeOptions(opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes)
-        data = tokenized_data(opts.data, tokenizer, opts.max_length, tokenizer_hash(Path(opts.target)), opts.tokenized_dir,
-                              opts.tokenize_workers, encoding, opts.on_bad_record, on_tokenize, on_note)
+        encoding = EncodeOptions(
+            opts.max_length, opts.chat_template_kwargs, opts.strict_template, opts.max_record_bytes
+        )
+        data = tokenized_data(
+            opts.data,
+            tokenizer,
+            opts.max_length,
+            tokenizer_hash(Path(opts.target)),
+            opts.tokenized_dir,
+            opts.tokenize_workers,
+            encoding,
+            opts.on_bad_record,
+            on_tokenize,
+            on_note,
+        )
         on_data(data.info)
         if not len(data.sample_ids):
             raise DFlashCacheError(
@@ -235,8 +257,17 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
                 f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
             )
         layout = choose_layout(info, opts.batching, budget, opts.max_length, int(data.lengths.max()))
-        spec = make_spec(info, layer_ids, opts.codec, data.source_hash, opts.max_length, opts.topk, budget,
-                         hash_weights=opts.hash_weights, layout=layout)
+        spec = make_spec(
+            info,
+            layer_ids,
+            opts.codec,
+            data.source_hash,
+            opts.max_length,
+            opts.topk,
+            budget,
+            hash_weights=opts.hash_weights,
+            layout=layout,
+        )
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs
         ranks = None if dist is None else rank_ids  # whose shard files this process may delete
@@ -245,7 +276,9 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             diffs = "; ".join(spec_differences(state.spec, spec))
             raise DFlashCacheError(f"{store} holds a cache made with other settings ({diffs}); use another --out")
         if _exists(store, MANIFEST) and state.spec is None:
-            raise DFlashCacheError(f"{store} has a manifest but no journals; it was not written by extract, use another --out")
+            raise DFlashCacheError(
+                f"{store} has a manifest but no journals; it was not written by extract, use another --out"
+            )
         writing = True
         for rank in rank_ids:  # this run's own journals only: another launch's ranks may be appending to theirs
             _cut_torn_journal(root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)
@@ -268,13 +301,23 @@ def extract(opts: ExtractOptions, on_progress: Callable[[Progress], None] = lamb
             samples = data.samples(sid for batch in mine for sid in batch)  # read when the rank needs them
             jobs.append(
                 RankJob(
-                    root=root, target_path=Path(opts.target), device=device, rank=rank, spec=spec, layout=layout, batches=mine,
-                    samples=samples, done=set(samples.ids[state.done.has(samples.rows)].tolist()),
-                    first_shard_index=state.next_index.get(rank, 0), on_bad_sample=opts.on_bad_sample,
-                    max_shard_bytes=opts.max_shard_bytes, compress_threads=threads,
+                    root=root,
+                    target_path=Path(opts.target),
+                    device=device,
+                    rank=rank,
+                    spec=spec,
+                    layout=layout,
+                    batches=mine,
+                    samples=samples,
+                    done=set(samples.ids[state.done.has(samples.rows)].tolist()),
+                    first_shard_index=state.next_index.get(rank, 0),
+                    on_bad_sample=opts.on_bad_sample,
+                    max_shard_bytes=opts.max_shard_bytes,
+                    compress_threads=threads,
                     # Again when a run died before journaling their hashes (a head file may be partial).
                     write_target_files=rank == 0 and (state.target_files is None or not _exists(store, HEAD)),
-                    kernel_cache=opts.kernel_cache, uploader=None if remote is None else Uploader(remote, root, rank),
+                    kernel_cache=opts.kernel_cache,
+                    uploader=None if remote is None else Uploader(remote, root, rank),
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
@@ -311,7 +354,9 @@ def _finalise(store: Path | RemoteDir, data: TokenizedData, report: dict) -> dic
     """Write the manifest once the journals cover every sample and the target head is there (under
     torchrun, the last rank to finish does it; two ranks doing it at once write the same bytes). Only
     that rank holds every shard record: the others see from a scan that the cache is not complete."""
-    if scan_journals(store, data.rows_of, len(data.sample_ids)).done.count() < len(data.sample_ids) or not _exists(store, HEAD):
+    if scan_journals(store, data.rows_of, len(data.sample_ids)).done.count() < len(data.sample_ids) or not _exists(
+        store, HEAD
+    ):
         return None
     state = read_journals(store)
     manifest = build_manifest(state, {"extract": report})
@@ -338,7 +383,9 @@ def _run_jobs(jobs: list[RankJob], on_progress: Callable[[Progress], None]) -> l
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise DFlashCacheError(f"{dead[0].name} died (exit code {dead[0].exitcode}); rerun the same command to resume") from None
+                    raise DFlashCacheError(
+                        f"{dead[0].name} died (exit code {dead[0].exitcode}); rerun the same command to resume"
+                    ) from None
                 continue
             if kind == "progress":
                 on_progress(payload)

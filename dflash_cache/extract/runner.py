@@ -89,7 +89,9 @@ class TargetRunner:
                     scope.enter_context(packed_kernels(self.target.model))
                     if self.fused:
                         scope.enter_context(fused_kernels(self.target.model))
-                out = self.target.base(input_ids=input_ids, **cache_kwargs(self.target.base, cache), **fb.forward_kwargs())
+                out = self.target.base(
+                    input_ids=input_ids, **cache_kwargs(self.target.base, cache), **fb.forward_kwargs()
+                )
         except _StopForward:
             out = None
         finally:

@@ -16,15 +16,34 @@ HIDDEN_DTYPE = "bfloat16"
 def tokenizer_hash(target_path: Path) -> str:
     """sha256 over the tokenizer files the target directory holds (name and bytes, sorted)."""
     sha = hashlib.sha256()
-    for name in sorted(["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja"]):
+    for name in sorted(
+        [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ]
+    ):
         path = target_path / name
         if path.is_file():
             sha.update(name.encode() + b"\0" + path.read_bytes())
     return sha.hexdigest()
 
 
-def make_spec(target: TargetInfo, layer_ids: list[int], codec: str, data_hash: str, max_length: int, topk: int,
-              token_budget: int | None, hash_weights: bool = True, layout=None) -> dict:
+def make_spec(
+    target: TargetInfo,
+    layer_ids: list[int],
+    codec: str,
+    data_hash: str,
+    max_length: int,
+    topk: int,
+    token_budget: int | None,
+    hash_weights: bool = True,
+    layout=None,
+) -> dict:
     """`token_budget`: tokens per target forward, which decides how samples are batched and so the
     bf16 rounding of their hidden states (None for a live target, which batches its own way);
     `layout`: the extraction's batch layout (extract/batch.py), None for a live target."""

@@ -40,8 +40,9 @@ class Target:
         return self.model.model.layers
 
 
-def load_target(path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
-                attention: str = "sdpa") -> Target:
+def load_target(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, attention: str = "sdpa"
+) -> Target:
     """`attention`: "sdpa", or extract/varlen.py's implementation for packed rows."""
     info = read_target_info(path)
     path = info.path

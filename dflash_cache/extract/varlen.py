@@ -36,11 +36,24 @@ HYBRID_PACKABLE = ("qwen3_5", "qwen3_5_text")
 QWEN3_5_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     cu_seq_lens_q=None, max_length_q=None, cu_seq_lens_cpu=None, **kwargs):
+def varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    cu_seq_lens_q=None,
+    max_length_q=None,
+    cu_seq_lens_cpu=None,
+    **kwargs,
+):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None), causal per sample."""
     if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed attention takes one row and no attention mask")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
@@ -50,11 +63,18 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         bounds = cu_seq_lens_cpu.tolist()
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = torch.cat([
-            F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                                           is_causal=True, scale=scaling).transpose(0, 1)
-            for s, e in zip(bounds, bounds[1:])
-        ])
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1),
+                    k[s:e].transpose(0, 1),
+                    v[s:e].transpose(0, 1),
+                    is_causal=True,
+                    scale=scaling,
+                ).transpose(0, 1)
+                for s, e in zip(bounds, bounds[1:])
+            ]
+        )
     return out.unsqueeze(0), None
 
 
@@ -142,10 +162,18 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
             return conv(x, weight, bias, activation=activation)
         fla = linear_attention_kernels()
         if fla is not None and x.is_cuda:
-            y, _ = fla[0](x.transpose(1, 2), weight, bias, activation=activation,
-                          cu_seqlens=cu_seq_lens_q, cu_seqlens_cpu=cu_seq_lens_cpu)
+            y, _ = fla[0](
+                x.transpose(1, 2),
+                weight,
+                bias,
+                activation=activation,
+                cu_seqlens=cu_seq_lens_q,
+                cu_seqlens_cpu=cu_seq_lens_cpu,
+            )
             return y.transpose(1, 2)
-        return torch.cat([torch_conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1)
+        return torch.cat(
+            [torch_conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1
+        )
 
     def packed_rule(query, key, value, g, beta, cu_seqlens=None, cu_seq_lens_cpu=None, **kwargs):
         # [1, T, H, D] inputs; cu_seqlens is the model's `cu_seq_lens_q`
@@ -153,9 +181,22 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
             return rule(query, key, value, g=g, beta=beta, **kwargs)
         fla = linear_attention_kernels()
         if fla is not None and query.is_cuda:
-            return fla[1](query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seq_lens_cpu, **_rule_options(kwargs))
-        outs = [torch_rule(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **_rule_options(kwargs))[0]
-                for s, e in _spans(cu_seq_lens_cpu)]
+            return fla[1](
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seq_lens_cpu,
+                **_rule_options(kwargs),
+            )
+        outs = [
+            torch_rule(
+                query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **_rule_options(kwargs)
+            )[0]
+            for s, e in _spans(cu_seq_lens_cpu)
+        ]
         return torch.cat(outs, dim=1), None
 
     module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = packed_conv, packed_rule

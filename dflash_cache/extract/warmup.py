@@ -242,8 +242,9 @@ def reach_every_kernel(runner: TargetRunner, batch) -> None:
     TargetRunner(runner.target, [last], labels=False, fused=runner.fused).run_batch(batch)
 
 
-def start_background_warmup(target_path: Path, layout: Layout, device: str, kernel_cache: Path | None,
-                            config) -> multiprocessing.process.BaseProcess | None:
+def start_background_warmup(
+    target_path: Path, layout: Layout, device: str, kernel_cache: Path | None, config
+) -> multiprocessing.process.BaseProcess | None:
     """A daemon process compiling the kernels of `layout` for a hybrid target of `config` (its text
     config) on `device`; None where there is nothing worth compiling ahead (dense targets use
     precompiled attention kernels; the CPU compiles nothing)."""
@@ -251,7 +252,8 @@ def start_background_warmup(target_path: Path, layout: Layout, device: str, kern
     if "linear_attention" not in layer_types or not layout.warmup_samples() or torch.device(device).type != "cuda":
         return None
     process = multiprocessing.get_context("spawn").Process(
-        target=warm_up_small_model, args=(target_path, layout, device, kernel_cache), name="kernel-warmup", daemon=True)
+        target=warm_up_small_model, args=(target_path, layout, device, kernel_cache), name="kernel-warmup", daemon=True
+    )
     process.start()
     return process
 
@@ -267,8 +269,16 @@ def warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_c
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=layout.attention)
     model.eval().requires_grad_(False)
-    small = Target(path=Path(target_path), model=model, tokenizer=None, config=config, num_layers=len(kinds),
-                   hidden_size=config.hidden_size, vocab_size=config.vocab_size, config_hash="")
+    small = Target(
+        path=Path(target_path),
+        model=model,
+        tokenizer=None,
+        config=config,
+        num_layers=len(kinds),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        config_hash="",
+    )
     runner, batch, threads = TargetRunner(small, [0]), layout.build(layout.warmup_samples(), device), compile_threads()
     with node_lock(folder):
         started = time.perf_counter()
@@ -280,5 +290,9 @@ def warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_c
             runner.run_batch(batch)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - started
-    print(f"kernels compiled and autotuned ahead, on a {len(kinds)}-layer model of the target's shape: {seconds:.1f} s "
-          f"({compiled:.1f} s compiling every kernel at once, {seconds - compiled:.1f} s timing)", file=sys.stderr, flush=True)
+    print(
+        f"kernels compiled and autotuned ahead, on a {len(kinds)}-layer model of the target's shape: {seconds:.1f} s "
+        f"({compiled:.1f} s compiling every kernel at once, {seconds - compiled:.1f} s timing)",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -191,8 +191,9 @@ def _make_row(task: _RowTask, copy: _HostCopy, codec: str, layer_ids: list[int],
         problem = describe_problem(copy.health[task.index].numpy(), layer_ids, n)
         if problem is not None:
             if on_bad_sample == "error":
-                raise DFlashCacheError(f"sample {sample.sample_id}: {problem}; "
-                                       "rerun with --on-bad-sample skip to leave such samples out")
+                raise DFlashCacheError(
+                    f"sample {sample.sample_id}: {problem}; rerun with --on-bad-sample skip to leave such samples out"
+                )
             return _Skip(sample.sample_id, problem)
         scales = None if copy.scales is None else copy.scales[task.scales_start : task.scales_start + n]
         row = Row(
@@ -229,8 +230,12 @@ class _Writer(threading.Thread):
             try:
                 for future in item:
                     self._write(future.result())
-            except OSError as e:  # a full disk, a file-size limit, a read-only folder: the shard being written is dropped
-                self.error = write_failed(f"to {self.writer.root}", self.writer.root, e, "rerun the same command to resume")
+            except (
+                OSError
+            ) as e:  # a full disk, a file-size limit, a read-only folder: the shard being written is dropped
+                self.error = write_failed(
+                    f"to {self.writer.root}", self.writer.root, e, "rerun the same command to resume"
+                )
                 self.writer.abort()
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.error = e
@@ -269,7 +274,9 @@ class _Writer(threading.Thread):
         self.writer.commit()
 
 
-def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, target: Target | None = None) -> RankSummary:
+def run_rank(
+    job: RankJob, report: Callable[[Progress], None] = lambda p: None, target: Target | None = None
+) -> RankSummary:
     """Extract this rank's batches; `target` may be given already loaded (benchmarks build one in place)."""
     kernels = use_kernel_cache(job.kernel_cache)
     codec = job.spec["codec"]
@@ -280,8 +287,14 @@ def run_rank(job: RankJob, report: Callable[[Progress], None] = lambda p: None, 
     target = target or load_target(job.target_path, job.device, attention=job.layout.attention)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
-    shards = ShardWriter(job.root, job.rank, job.spec, job.first_shard_index, job.max_shard_bytes,
-                         on_journal=job.uploader or (lambda shard_path: None))
+    shards = ShardWriter(
+        job.root,
+        job.rank,
+        job.spec,
+        job.first_shard_index,
+        job.max_shard_bytes,
+        on_journal=job.uploader or (lambda shard_path: None),
+    )
     if job.write_target_files:
         save_target_files(target, job.root / "target")
         if job.uploader is not None:
@@ -375,7 +388,11 @@ class _PartEncoder:
         tasks, start, scales_start = [], 0, 0
         for index, (i, e) in enumerate(zip(new, encoded)):
             size, o, n = e.planes.numel(), int(offsets[index]), int(lengths[index])
-            tasks.append(_RowTask(self.job.samples[fb.sample_ids[i]], index, slice(o, o + n), slice(start, start + size), scales_start))
+            tasks.append(
+                _RowTask(
+                    self.job.samples[fb.sample_ids[i]], index, slice(o, o + n), slice(start, start + size), scales_start
+                )
+            )
             start += size
             scales_start += n
         sources = [

@@ -52,8 +52,14 @@ def api_base(url: str) -> str:
 
 
 class ServerPool:
-    def __init__(self, urls: list[str], concurrency: int, retry: RetryPolicy = RetryPolicy(),
-                 stopping: threading.Event | None = None, limits: AnswerLimits | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        concurrency: int,
+        retry: RetryPolicy = RetryPolicy(),
+        stopping: threading.Event | None = None,
+        limits: AnswerLimits | None = None,
+    ):
         if not urls:
             raise DFlashCacheError("give at least one --server")
         self.urls = [api_base(url) for url in urls]
@@ -72,8 +78,9 @@ class ServerPool:
             try:
                 response = self._http.get(f"{url}/models", timeout=10.0)
             except httpx.HTTPError as e:
-                raise DFlashCacheError(_hide(f"server {url} is not reachable ({_reason(e)}); start it or leave it out",
-                                             url)) from None
+                raise DFlashCacheError(
+                    _hide(f"server {url} is not reachable ({_reason(e)}); start it or leave it out", url)
+                ) from None
             model = None
             if response.status_code == 200:  # transformers serve answers 500 here when pinned to a local folder
                 try:
@@ -114,9 +121,15 @@ class ServerPool:
         """(HTTP status, body) of one attempt; BadAnswer for a body too large or too slow to arrive."""
         limit, seconds = self.limits.max_bytes(max_tokens), self.limits.seconds(max_tokens)
         deadline = time.monotonic() + seconds
-        timeout = httpx.Timeout(connect=TIMEOUT.connect, read=min(TIMEOUT.read, seconds), write=TIMEOUT.write, pool=None)
-        with self._http.stream("POST", url, json=body, timeout=timeout, headers={"Accept-Encoding": "identity"}) as response:
-            too_large = BadAnswer(f"answered with more than {limit:,} bytes, more than --max-tokens {max_tokens} can take")
+        timeout = httpx.Timeout(
+            connect=TIMEOUT.connect, read=min(TIMEOUT.read, seconds), write=TIMEOUT.write, pool=None
+        )
+        with self._http.stream(
+            "POST", url, json=body, timeout=timeout, headers={"Accept-Encoding": "identity"}
+        ) as response:
+            too_large = BadAnswer(
+                f"answered with more than {limit:,} bytes, more than --max-tokens {max_tokens} can take"
+            )
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:
                 raise too_large
@@ -126,8 +139,10 @@ class ServerPool:
                 if size > limit:
                     raise too_large
                 if time.monotonic() > deadline:
-                    raise BadAnswer(f"timed out: the answer took more than {seconds:,.0f} s "
-                                    f"(the limit for --max-tokens {max_tokens})")
+                    raise BadAnswer(
+                        f"timed out: the answer took more than {seconds:,.0f} s "
+                        f"(the limit for --max-tokens {max_tokens})"
+                    )
                 pieces.append(piece)
             return response.status_code, b"".join(pieces)
 

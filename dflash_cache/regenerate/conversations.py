@@ -73,22 +73,32 @@ def turns_to_regenerate(messages: list[dict], turns: str) -> list[int]:
 def request_messages(messages: list[dict]) -> list[dict]:
     """The conversation as sent to the target: past turns without their reasoning, tool-call
     arguments as the JSON text the OpenAI API takes."""
-    return [{key: _calls_as_text(value) if key == "tool_calls" else value
-             for key, value in message.items() if key not in REASONING_FIELDS}
-            if message["role"] == "assistant" else message for message in messages]
+    return [
+        {
+            key: _calls_as_text(value) if key == "tool_calls" else value
+            for key, value in message.items()
+            if key not in REASONING_FIELDS
+        }
+        if message["role"] == "assistant"
+        else message
+        for message in messages
+    ]
 
 
 def _calls_as_text(calls: list[dict]) -> list[dict]:
-    return [{**call, "function": {**call["function"], "arguments": str(call["function"]["arguments"])}} for call in calls]
+    return [
+        {**call, "function": {**call["function"], "arguments": str(call["function"]["arguments"])}} for call in calls
+    ]
 
 
-def regenerate_conversation(messages: list[dict], turns: str,
-                            complete: Callable[[list[dict]], Completion]) -> tuple[list[dict], list[Completion]]:
+def regenerate_conversation(
+    messages: list[dict], turns: str, complete: Callable[[list[dict]], Completion]
+) -> tuple[list[dict], list[Completion]]:
     """The conversation with its assistant turns answered again by `complete`, in order."""
     out = [dict(message) for message in messages]
     completions = []
     for index in turns_to_regenerate(messages, turns):
         completion = complete(request_messages(out[:index]))
-        out[index:index + 1] = [completion.message()]
+        out[index : index + 1] = [completion.message()]
         completions.append(completion)
     return out, completions

@@ -39,10 +39,23 @@ MAX_BATCH = 16  # conversations generated together by one replica
 GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)
 THINK = ("<think>", "</think>")
 # Generation settings that change which token greedy decoding picks (through `generate`'s logits processors).
-LOGITS_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
-                   "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-                   "sequence_bias", "exponential_decay_length_penalty", "encoder_repetition_penalty",
-                   "encoder_no_repeat_ngram_size", "guidance_scale", "renormalize_logits")
+LOGITS_SETTINGS = (
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "encoder_repetition_penalty",
+    "encoder_no_repeat_ngram_size",
+    "guidance_scale",
+    "renormalize_logits",
+)
 
 
 class _Stopped(StoppingCriteria):
@@ -68,17 +81,25 @@ class _Replica:
         self.stop = stop
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         with no_loading_bars():
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
+            )
         vocab = self.tokenizer.get_vocab()
         self.think = tuple(vocab.get(token) for token in THINK)
 
     def prompt(self, messages: list[dict], settings: GenerationSettings) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                  **settings.template_kwargs())["input_ids"]
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, **settings.template_kwargs()
+        )["input_ids"]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], settings: GenerationSettings, model_name: str,
-                 on_answer: Callable[[int, Completion], None] = lambda i, completion: None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        settings: GenerationSettings,
+        model_name: str,
+        on_answer: Callable[[int, Completion], None] = lambda i, completion: None,
+    ) -> list[Completion]:
         """Every prompt answered, as one left-padded batch; `on_answer(i, completion)` as soon as prompt i's is."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = settings.max_tokens
@@ -100,16 +121,26 @@ class _Replica:
             on_answer(i, completions[i])
 
         if config.do_sample or not _plain_greedy(config):
-            output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                         stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]))
+            output = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]),
+            )
             for i, row in enumerate(output[:, width:].tolist()):
                 done(i, _until(row, stops))
         else:
             self._greedy(ids, mask, settings.max_tokens, stops, done)
         return [completions[i] for i in sorted(completions)]
 
-    def _greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int, stops: set[int],
-                done: Callable[[int, list[int]], None]) -> None:
+    def _greedy(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new: int,
+        stops: set[int],
+        done: Callable[[int, list[int]], None],
+    ) -> None:
         """Greedy decoding as `generate` does it (positions counted from each row's first real token,
         padding masked out), except that a row that has finished leaves the batch and its cache, and
         is handed to `done(row, tokens)` at once: the others no longer wait on the longest answer's
@@ -138,8 +169,13 @@ class _Replica:
                 alive, tokens, mask, positions = alive[kept], tokens[kept], mask[kept], positions[kept]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, logits_to_keep=1,
-                             **cache_kwargs(self.model, cache))
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                logits_to_keep=1,
+                **cache_kwargs(self.model, cache),
+            )
 
     def _parse(self, generated: list[int], prompt: list[int]) -> tuple[str, str | None, list[dict] | None]:
         template = getattr(self.tokenizer, "response_template", None)
@@ -150,8 +186,16 @@ class _Replica:
         for i, call in enumerate(parsed.get("tool_calls") or []):
             function = call["function"]
             arguments = function["arguments"]
-            calls.append({"id": f"call_{i}", "type": "function", "function": {
-                "name": function["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+            calls.append(
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {
+                        "name": function["name"],
+                        "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                    },
+                }
+            )
         return parsed.get("content", ""), parsed.get("thinking") or None, calls or None
 
     def _split_thinking(self, generated: list[int]) -> tuple[str, str | None, None]:
@@ -161,7 +205,7 @@ class _Replica:
         end = generated.index(closer)
         start = 1 if generated[:1] == [opener] else 0
         reasoning = self.tokenizer.decode(generated[start:end], skip_special_tokens=True).strip()
-        content = self.tokenizer.decode(generated[end + 1:], skip_special_tokens=True).strip()
+        content = self.tokenizer.decode(generated[end + 1 :], skip_special_tokens=True).strip()
         return content, reasoning or None, None
 
 
@@ -174,7 +218,7 @@ def _plain_greedy(config: GenerationConfig) -> bool:
 
 def _until(row: list[int], stops: set[int]) -> list[int]:
     """A generated row up to its end-of-turn token: what follows is padding of the batch."""
-    return row[:next((i + 1 for i, token in enumerate(row) if token in stops), len(row))]
+    return row[: next((i + 1 for i, token in enumerate(row) if token in stops), len(row))]
 
 
 def _ids(value) -> set[int]:
@@ -190,8 +234,10 @@ class LocalTarget:
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._replicas = [_Replica(info.path, device, self._stop) for device in devices]
-        self._threads = [threading.Thread(target=self._serve, args=(replica,), name=f"regenerate-{replica.device}", daemon=True)
-                         for replica in self._replicas]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(replica,), name=f"regenerate-{replica.device}", daemon=True)
+            for replica in self._replicas
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -220,15 +266,18 @@ class LocalTarget:
                 try:
                     ready.append((request, replica.prompt(request.messages, request.settings)))
                 except (DFlashCacheError, ValueError, TypeError, RuntimeError) as e:  # this conversation's problem
-                    request.future.set_exception(RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}"))
+                    request.future.set_exception(
+                        RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}")
+                    )
             ready.sort(key=lambda pair: len(pair[1]))  # like lengths together: less padding
             for start in range(0, len(ready), self.max_batch):
-                self._answer(replica, ready[start:start + self.max_batch])
+                self._answer(replica, ready[start : start + self.max_batch])
 
     def _answer(self, replica: _Replica, batch: list[tuple[_Request, list[int]]]) -> None:
         try:
             if self._stop.is_set():
                 raise RequestFailed(f"{replica.device}: the run was stopped")
+
             def answer(i: int, completion: Completion) -> None:
                 if not self._stop.is_set():
                     batch[i][0].future.set_result(completion)

@@ -42,8 +42,9 @@ class ResponsesFile:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise DFlashCacheError(f"{self.path} is being written by another regenerate run; "
-                                       "wait for it or stop it first") from None
+                raise DFlashCacheError(
+                    f"{self.path} is being written by another regenerate run; wait for it or stop it first"
+                ) from None
             try:
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     return fd
@@ -65,12 +66,14 @@ class ResponsesFile:
                 model = generation["model"]
             except (ValueError, KeyError, TypeError):
                 raise DFlashCacheError(
-                    f"{where} is not a record written by regenerate; give --out a new file") from None
+                    f"{where} is not a record written by regenerate; give --out a new file"
+                ) from None
             changed = differences(generation, settings)
             if changed:
                 raise DFlashCacheError(
                     f"{self.path} was written with other settings ({'; '.join(changed)}); "
-                    "rerun with the same settings or give --out a new file")
+                    "rerun with the same settings or give --out a new file"
+                )
             if self.model is None:
                 self.model = model
             elif model != self.model:
@@ -83,7 +86,7 @@ class ResponsesFile:
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(line)
         while view:  # a regular file takes it in one write; the loop only guards against short writes
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
         os.fsync(self._fd)
         self.done.add(record["source"])
 

@@ -100,13 +100,18 @@ def _backend(opts: RegenerateOptions, stopping: threading.Event):
     return LocalTarget(opts.target, plan_devices(opts.gpus, 0))
 
 
-def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = lambda todo, done: None,
-               on_record: Callable[[RecordDone], None] = lambda record: None) -> RegenerateSummary:
+def regenerate(
+    opts: RegenerateOptions,
+    on_start: Callable[[int, int], None] = lambda todo, done: None,
+    on_record: Callable[[RecordDone], None] = lambda record: None,
+) -> RegenerateSummary:
     """Regenerate what the output lacks; `on_start(records to do, records already done)`."""
     started = time.perf_counter()
     _check(opts)
     settings = opts.settings
-    sources = [job.source for job in read_jobs(opts.data, opts.limit)]  # reads (and checks) every record before any request
+    sources = [
+        job.source for job in read_jobs(opts.data, opts.limit)
+    ]  # reads (and checks) every record before any request
     summary = RegenerateSummary()
     stopping = threading.Event()
     with ResponsesFile(opts.out, settings) as out:
@@ -148,8 +153,10 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
             results.put(("exit", None, None))
 
         threads = [threading.Thread(target=feed, name="regenerate-feed", daemon=True)]
-        threads += [threading.Thread(target=work, args=(lane,), name=f"regenerate-{lane}", daemon=True)
-                    for lane in range(workers)]
+        threads += [
+            threading.Thread(target=work, args=(lane,), name=f"regenerate-{lane}", daemon=True)
+            for lane in range(workers)
+        ]
         for thread in threads:
             thread.start()
         try:
@@ -173,24 +180,37 @@ def regenerate(opts: RegenerateOptions, on_start: Callable[[int, int], None] = l
     return summary
 
 
-def _write(out: ResponsesFile, job: Job, settings: GenerationSettings, messages: list[dict],
-           completions: list[Completion], summary: RegenerateSummary, on_record: Callable[[RecordDone], None]) -> None:
+def _write(
+    out: ResponsesFile,
+    job: Job,
+    settings: GenerationSettings,
+    messages: list[dict],
+    completions: list[Completion],
+    summary: RegenerateSummary,
+    on_record: Callable[[RecordDone], None],
+) -> None:
     model = completions[0].model
     for completion in completions:
         expected = out.model or model
         if completion.model != expected:
             why = f"{out.path} was written by" if out.model else "another answer of this run came from"
-            raise DFlashCacheError(f"{job.source}: answered by model {completion.model!r}, but {why} {expected!r}; "
-                                   "every --server must serve the same model")
+            raise DFlashCacheError(
+                f"{job.source}: answered by model {completion.model!r}, but {why} {expected!r}; "
+                "every --server must serve the same model"
+            )
     out.model = model
-    out.append({
-        **({"id": job.record_id} if job.record_id is not None else {}),
-        "messages": messages,
-        "source": job.source,
-        "generation": {**settings.to_dict(), "model": model},
-        "regenerated": [{"turn": turn, "finish_reason": c.finish_reason, "completion_tokens": c.completion_tokens}
-                        for turn, c in zip(turns_to_regenerate(job.messages, settings.turns), completions)],
-    })
+    out.append(
+        {
+            **({"id": job.record_id} if job.record_id is not None else {}),
+            "messages": messages,
+            "source": job.source,
+            "generation": {**settings.to_dict(), "model": model},
+            "regenerated": [
+                {"turn": turn, "finish_reason": c.finish_reason, "completion_tokens": c.completion_tokens}
+                for turn, c in zip(turns_to_regenerate(job.messages, settings.turns), completions)
+            ],
+        }
+    )
     tokens = sum(c.completion_tokens for c in completions)
     summary.records += 1
     summary.turns += len(completions)

@@ -56,5 +56,8 @@ def differences(recorded: dict, settings: GenerationSettings) -> list[str]:
     """'name: recorded -> now' for each setting that differs from a record's (minus the model)."""
     now = settings.to_dict()
     then = {key: value for key, value in recorded.items() if key != "model"}
-    return [f"{key}: {then.get(key, '(absent)')!r} -> {now.get(key, '(absent)')!r}"
-            for key in sorted(set(now) | set(then)) if then.get(key) != now.get(key)]
+    return [
+        f"{key}: {then.get(key, '(absent)')!r} -> {now.get(key, '(absent)')!r}"
+        for key in sorted(set(now) | set(then))
+        if then.get(key) != now.get(key)
+    ]

@@ -68,8 +68,15 @@ class CachedSample:
 class Cache:
     """A complete cache. Opening reads only the manifest; rows are read one record batch at a time."""
 
-    def __init__(self, root: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 pool: ShardPool | None = None, verify_shards: bool = False, manifest: dict | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        local_dir: str | Path | None = None,
+        local_bytes: int | None = None,
+        pool: ShardPool | None = None,
+        verify_shards: bool = False,
+        manifest: dict | None = None,
+    ):
         """`pool`: the open shard readers, shared between caches read together (default: one of its own);
         `verify_shards`: each shard's sha256 is verified on first read (see above); `manifest`: what to
         read instead of manifest.json (a cache followed while it is written: its committed shards so far,
@@ -134,28 +141,42 @@ class Cache:
                 return holders
             if holders:
                 listed = ", ".join(map(str, holders[:5])) + (", ..." if len(holders) > 5 else "")
-                raise UnknownSample(f"record id {key!r} is the id of {len(holders)} records of {self.root} (sample ids "
-                                    f"{listed}); look one up by its sample id")
-            hint = f" (there is a sample id {key}: give it as an integer)" if key.isdigit() and int(key) in self._where else ""
+                raise UnknownSample(
+                    f"record id {key!r} is the id of {len(holders)} records of {self.root} (sample ids "
+                    f"{listed}); look one up by its sample id"
+                )
+            hint = (
+                f" (there is a sample id {key}: give it as an integer)"
+                if key.isdigit() and int(key) in self._where
+                else ""
+            )
             raise UnknownSample(f"no record id {key!r} in {self.root}{hint}: {self._keys()}")
         raise UnknownSample(f"{key!r} is not a key of {self.root}: {self._keys()}")
 
     def _keys(self) -> str:
         """What keys this cache has, for messages."""
         ids = sorted(self._where)
-        numbers = (f"integer sample ids {ids[0]}..{ids[-1]}" + (f" ({len(ids):,} of them)" if len(ids) != ids[-1] - ids[0] + 1 else "")
-                   if ids else "no samples")
+        numbers = (
+            f"integer sample ids {ids[0]}..{ids[-1]}"
+            + (f" ({len(ids):,} of them)" if len(ids) != ids[-1] - ids[0] + 1 else "")
+            if ids
+            else "no samples"
+        )
         index = self._record_index()
         if not index:
             return f"keys are {numbers} (the records' numbers in the --data files, from 0); it has no record ids"
-        return (f"keys are {numbers} (the records' numbers in the --data files, from 0) and {len(index):,} "
-                f"record ids (the records' own `id`, as strings, e.g. {next(iter(index))!r})")
+        return (
+            f"keys are {numbers} (the records' numbers in the --data files, from 0) and {len(index):,} "
+            f"record ids (the records' own `id`, as strings, e.g. {next(iter(index))!r})"
+        )
 
     def _record_index(self) -> dict[str, int | list[int]]:
         """Record id -> its sample id, or the sample ids of the records that share it; in sample id order."""
         if self._by_record is None:
             index: dict[str, int | list[int]] = {}
-            pairs = (pair for shard in self.shards for pair in zip(shard.sample_ids, shard.record_ids) if pair[1] is not None)
+            pairs = (
+                pair for shard in self.shards for pair in zip(shard.sample_ids, shard.record_ids) if pair[1] is not None
+            )
             for sid, record_id in sorted(pairs):
                 held = index.setdefault(record_id, sid)
                 if isinstance(held, list):
@@ -226,10 +247,14 @@ class Cache:
             fetched = self._fetcher is not None and self._fetcher.checked(shard.path)  # hashed as it was downloaded
             if not fetched and reader.sha256() != shard.sha256:
                 if self._fetcher is not None:
-                    raise DFlashCacheError(f"{self._fetcher.root / shard.path}: sha256 does not match the manifest "
-                                           "(the local copy was replaced or damaged); delete it to fetch it again")
-                raise DFlashCacheError(f"{self.shard_name(shard_index)}: sha256 does not match the manifest (the shard "
-                                       f"was replaced or damaged); `dflash-cache verify {self.root}` checks every shard")
+                    raise DFlashCacheError(
+                        f"{self._fetcher.root / shard.path}: sha256 does not match the manifest "
+                        "(the local copy was replaced or damaged); delete it to fetch it again"
+                    )
+                raise DFlashCacheError(
+                    f"{self.shard_name(shard_index)}: sha256 does not match the manifest (the shard "
+                    f"was replaced or damaged); `dflash-cache verify {self.root}` checks every shard"
+                )
             self._verified.add(shard_index)
 
     def _forget(self, shard_path: str) -> None:
@@ -247,7 +272,9 @@ class Cache:
             try:
                 self.remote.download(self.shards[shard_index].path, local)
             except FileNotFoundError:
-                raise DFlashCacheError(f"{self.shard_name(shard_index)}: shard listed in the manifest is missing") from None
+                raise DFlashCacheError(
+                    f"{self.shard_name(shard_index)}: shard listed in the manifest is missing"
+                ) from None
             yield local
 
     def target_dir(self) -> Path:
@@ -288,11 +315,13 @@ class Cache:
         if not row.check():
             raise DFlashCacheError(f"{path}: row {r} (sample {sample_id}) fails its checksum")
         if len(row.input_ids) != self._lengths[sample_id]:  # the width was checked against the manifest's counts
-            raise DFlashCacheError(f"{path}: row {r} holds {len(row.input_ids)} tokens, the manifest says "
-                                   f"{self._lengths[sample_id]}")
+            raise DFlashCacheError(
+                f"{path}: row {r} holds {len(row.input_ids)} tokens, the manifest says {self._lengths[sample_id]}"
+            )
         if row.record_id != self.record_id(sample_id):
-            raise DFlashCacheError(f"{path}: row {r} holds record id {row.record_id!r}, the manifest says "
-                                   f"{self.record_id(sample_id)!r}")
+            raise DFlashCacheError(
+                f"{path}: row {r} holds record id {row.record_id!r}, the manifest says {self.record_id(sample_id)!r}"
+            )
         return row
 
     def decode_planes(self, row: StoredRow) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -334,8 +363,13 @@ class Cache:
             self._pool.forget(lambda key: key[0] is self)
 
 
-def open_cache(path: str | Path, local_dir: str | Path | None = None, local_bytes: int | None = None,
-               pool: ShardPool | None = None, verify_shards: bool = False) -> Cache:
+def open_cache(
+    path: str | Path,
+    local_dir: str | Path | None = None,
+    local_bytes: int | None = None,
+    pool: ShardPool | None = None,
+    verify_shards: bool = False,
+) -> Cache:
     """A cache at a local path, a `file://` URL or any fsspec URL (`s3://bucket/prefix`, `gs://...`)."""
     return Cache(path, local_dir, local_bytes, pool, verify_shards)
 

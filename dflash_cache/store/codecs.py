@@ -137,7 +137,9 @@ def _unzstd_into(data: memoryview, out: np.ndarray, codec: str) -> None:
     except zstandard.ZstdError as e:
         raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
     if filled != len(view) or extra:
-        raise DFlashCacheError(f"corrupt {codec} payload: decodes to {'more' if extra else filled} bytes, expected {len(view)}")
+        raise DFlashCacheError(
+            f"corrupt {codec} payload: decodes to {'more' if extra else filled} bytes, expected {len(view)}"
+        )
 
 
 def _copy_into(data: memoryview, out: np.ndarray, codec: str) -> None:
@@ -180,7 +182,9 @@ def check_payload_size(payload, codec: str, size: int) -> None:
     except zstandard.ZstdError as e:
         raise DFlashCacheError(f"corrupt {codec} payload: {e}") from None
     if declared not in (-1, size - raw):
-        raise DFlashCacheError(f"corrupt {codec} payload: its zstd frame declares {declared} bytes, expected {size - raw}")
+        raise DFlashCacheError(
+            f"corrupt {codec} payload: its zstd frame declares {declared} bytes, expected {size - raw}"
+        )
 
 
 def decompress(data, codec: str, size: int) -> np.ndarray:

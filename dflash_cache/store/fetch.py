@@ -21,8 +21,13 @@ from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, file_s
 
 
 class ShardFetcher:
-    def __init__(self, remote: RemoteDir, folder: str | Path, max_bytes: int | None = None,
-                 on_evict: Callable[[str], None] = lambda path: None):
+    def __init__(
+        self,
+        remote: RemoteDir,
+        folder: str | Path,
+        max_bytes: int | None = None,
+        on_evict: Callable[[str], None] = lambda path: None,
+    ):
         self.remote = remote
         self.root = Path(folder) / hashlib.sha256(remote.url.encode()).hexdigest()[:16]  # one folder per cache
         (self.root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
@@ -39,8 +44,10 @@ class ShardFetcher:
     def open(self, shard: ShardRecord) -> ShardReader:
         """A reader of the local copy of `shard`, downloading it first when needed."""
         if self.max_bytes is not None and shard.bytes > self.max_bytes:
-            raise DFlashCacheError(f"shard {shard.path} has {shard.bytes} bytes, more than the local cache may hold "
-                                   f"({self.max_bytes}); raise the local cache size")
+            raise DFlashCacheError(
+                f"shard {shard.path} has {shard.bytes} bytes, more than the local cache may hold "
+                f"({self.max_bytes}); raise the local cache size"
+            )
         try:
             local = inside(self.root, self.root / check_shard_path(shard.path))
         except ValueError as e:  # the manifest's reader checks it first; this folder is written and deleted in

@@ -26,8 +26,9 @@ def check_target_files(target_dir: Path, manifest: dict) -> None:
             problem = "does not match the manifest's sha256 (damaged or replaced)"
         else:
             continue
-        raise DFlashCacheError(f"{path} {problem}; restore it, or delete {target_dir} and rerun the same extract "
-                               "command to rewrite it")
+        raise DFlashCacheError(
+            f"{path} {problem}; restore it, or delete {target_dir} and rerun the same extract command to rewrite it"
+        )
 
 
 def check_journals(cache) -> None:
@@ -42,8 +43,10 @@ def check_journals(cache) -> None:
     state = read_journals(source)
 
     def disagree(what: str) -> DFlashCacheError:
-        return DFlashCacheError(f"{where}: {what}; a journal was damaged or manifest.json edited (a rerun of extract "
-                                "rebuilds the manifest from the journals: restore the right one first)")
+        return DFlashCacheError(
+            f"{where}: {what}; a journal was damaged or manifest.json edited (a rerun of extract "
+            "rebuilds the manifest from the journals: restore the right one first)"
+        )
 
     if state.spec != cache.spec:
         fields = spec_differences(state.spec or {}, cache.spec)
@@ -57,5 +60,7 @@ def check_journals(cache) -> None:
             raise disagree(f"{path}: in the manifest but not in the journals")
         if fields := [k for k in listed[path] if listed[path][k] != journaled[path][k]]:
             raise disagree(f"{path}: the journals and the manifest differ in {', '.join(fields)}")
-    if state.skipped != cache.manifest.get("skipped", []) or (state.target_files or {}) != cache.manifest.get("target_files", {}):
+    if state.skipped != cache.manifest.get("skipped", []) or (state.target_files or {}) != cache.manifest.get(
+        "target_files", {}
+    ):
         raise disagree("the journals and the manifest list other skipped samples or target files")

@@ -98,8 +98,9 @@ def _entries(root: Path | RemoteDir) -> Iterator[tuple[str, str, object]]:
                 else:
                     continue
             except (KeyError, TypeError, ValueError) as e:
-                raise DFlashCacheError(f"{path}: corrupt entry ({e}); restore the file, or delete it to extract "
-                                       "that rank's samples again") from None
+                raise DFlashCacheError(
+                    f"{path}: corrupt entry ({e}); restore the file, or delete it to extract that rank's samples again"
+                ) from None
             yield path, *item
 
 
@@ -158,8 +159,9 @@ _RANK_SHARD = re.compile(rf"{SHARD_DIR}/r(0|[1-9][0-9]*)-([0-9]+)\.arrow")
 SCAN_CHUNK = 1 << 16  # sample ids looked up at once
 
 
-def scan_journals(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int,
-                  ranks: Collection[int] | None = None) -> JournalScan:
+def scan_journals(
+    root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int, ranks: Collection[int] | None = None
+) -> JournalScan:
     """The journals' spec, target files and next shard indices; which of `rows` data rows are done
     (`rows_of(sample_ids)`: their rows, -1 for an id the data does not hold, which is left out as
     `read_journals(root).done_ids()` would be by the caller); the committed shard paths of `ranks`
@@ -181,11 +183,14 @@ def scan_journals(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.nda
         if m := _RANK_SHARD.fullmatch(shard.path):
             rank = int(m.group(1))
             next_index[rank] = max(next_index.get(rank, 0), int(m.group(2)) + 1)
-    return JournalScan(state.spec, state.target_files, done, CommittedShards({s.path for s in state.shards}), next_index)
+    return JournalScan(
+        state.spec, state.target_files, done, CommittedShards({s.path for s in state.shards}), next_index
+    )
 
 
-def _scan(root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int,
-          ranks: Collection[int] | None) -> JournalScan:
+def _scan(
+    root: Path | RemoteDir, rows_of: Callable[[np.ndarray], np.ndarray], rows: int, ranks: Collection[int] | None
+) -> JournalScan:
     spec = target_files = None
     done, pending = RowBits(rows), array("q")
     committed: dict[int, array] = {}
@@ -230,13 +235,25 @@ def shard_record(entry: object) -> ShardRecord:
     """A shard entry of a journal or of the manifest, its fields checked (TypeError or ValueError if bad)."""
     record = ShardRecord(**entry)
     check_shard_path(record.path)
-    if not (isinstance(record.path, str) and isinstance(record.sha256, str) and _counts(record.sample_ids)
-            and _counts(record.num_tokens) and _counts([record.rows, record.tokens, record.bytes, record.hidden_bytes])):
+    if not (
+        isinstance(record.path, str)
+        and isinstance(record.sha256, str)
+        and _counts(record.sample_ids)
+        and _counts(record.num_tokens)
+        and _counts([record.rows, record.tokens, record.bytes, record.hidden_bytes])
+    ):
         raise ValueError(f"shard {record.path!r} has fields of the wrong type")
-    if len(record.sample_ids) != record.rows or len(record.num_tokens) != record.rows or sum(record.num_tokens) != record.tokens:
+    if (
+        len(record.sample_ids) != record.rows
+        or len(record.num_tokens) != record.rows
+        or sum(record.num_tokens) != record.tokens
+    ):
         raise ValueError(f"shard {record.path} lists inconsistent rows")
-    if not (isinstance(record.record_ids, list) and len(record.record_ids) in (0, record.rows)
-            and all(r is None or isinstance(r, str) for r in record.record_ids)):
+    if not (
+        isinstance(record.record_ids, list)
+        and len(record.record_ids) in (0, record.rows)
+        and all(r is None or isinstance(r, str) for r in record.record_ids)
+    ):
         raise ValueError(f"shard {record.path} lists record ids that are not one string or null per row")
     return record
 
@@ -327,11 +344,15 @@ def read_manifest(root: Path) -> dict:
         raise DFlashCacheError(f"{root}: no such cache directory")
     if not path.is_file():
         if not any((Path(root) / name).exists() for name in _STARTED_CACHE):  # no extraction ever ran here
-            raise DFlashCacheError(f"{root} is not a cache (it has no {MANIFEST} and no {JOURNAL_DIR}/); "
-                                   "give a folder that `dflash-cache extract` wrote")
+            raise DFlashCacheError(
+                f"{root} is not a cache (it has no {MANIFEST} and no {JOURNAL_DIR}/); "
+                "give a folder that `dflash-cache extract` wrote"
+            )
         if holder := FolderLock(root, "cache").holder():  # not finished yet: rerunning extract would be refused
-            raise DFlashCacheError(f"{path}: missing; {root} is being written by {holder} (an extraction that has not "
-                                   "finished); wait for it to end")
+            raise DFlashCacheError(
+                f"{path}: missing; {root} is being written by {holder} (an extraction that has not "
+                "finished); wait for it to end"
+            )
         raise DFlashCacheError(f"{path}: {INCOMPLETE}")
     try:
         data = path.read_bytes()
@@ -357,7 +378,9 @@ def parse_manifest(data: bytes, path: str) -> dict:
         raise DFlashCacheError(f"{path}: not a dflash-cache manifest")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise DFlashCacheError(f"{path}: format version {version} is newer than this dflash-cache reads ({FORMAT_VERSION}); upgrade dflash-cache")
+        raise DFlashCacheError(
+            f"{path}: format version {version} is newer than this dflash-cache reads ({FORMAT_VERSION}); upgrade dflash-cache"
+        )
     try:
         shards = [shard_record(s) for s in manifest["shards"]]
         spec = manifest["spec"]
@@ -367,7 +390,9 @@ def parse_manifest(data: bytes, path: str) -> dict:
             raise ValueError("the spec's layer ids or hidden size are not integers")
         # Readers size their buffers by these counts before a row is read: a count past max_length
         # (2^40 tokens in a manifest someone shared) would be allocated first and checked after.
-        if not _counts([spec["max_length"]]) or any(s.num_tokens and max(s.num_tokens) > spec["max_length"] for s in shards):
+        if not _counts([spec["max_length"]]) or any(
+            s.num_tokens and max(s.num_tokens) > spec["max_length"] for s in shards
+        ):
             raise ValueError(f"a shard lists a sample longer than the spec's max_length {spec['max_length']!r}")
         _check_width(spec, shards)
         target_file_list(manifest.get("target_files", {}))
@@ -390,9 +415,11 @@ def _check_width(spec: dict, shards: list[ShardRecord]) -> None:
     for s in shards:
         planes = encoded_size(codec, s.tokens, layers * hidden)
         if planes > MAX_EXPANSION[codec] * s.bytes:
-            raise ValueError(f"spec.target.hidden_size {hidden} x {layers} layer_ids is too wide for shard {s.path}: its "
-                             f"{s.tokens} tokens would decode to {planes} bytes, more than its {s.bytes} bytes can hold "
-                             f"({codec} decodes at most {MAX_EXPANSION[codec]} bytes a stored byte)")
+            raise ValueError(
+                f"spec.target.hidden_size {hidden} x {layers} layer_ids is too wide for shard {s.path}: its "
+                f"{s.tokens} tokens would decode to {planes} bytes, more than its {s.bytes} bytes can hold "
+                f"({codec} decodes at most {MAX_EXPANSION[codec]} bytes a stored byte)"
+            )
 
 
 def spec_differences(a: dict, b: dict, ignore: frozenset[str] = frozenset(), prefix: str = "") -> list[str]:

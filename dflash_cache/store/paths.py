@@ -22,8 +22,12 @@ def is_file_name(name: object) -> bool:
 
 def check_shard_path(path: object) -> str:
     """`path` itself if it is `shards/NAME.arrow`; ValueError otherwise."""
-    if not (isinstance(path, str) and path.startswith("shards/") and path.endswith(".arrow")
-            and is_file_name(path[len("shards/"):])):
+    if not (
+        isinstance(path, str)
+        and path.startswith("shards/")
+        and path.endswith(".arrow")
+        and is_file_name(path[len("shards/") :])
+    ):
         raise ValueError(f"shard path {path!r} is not shards/NAME.arrow")
     return path
 

@@ -35,8 +35,10 @@ def default_pool_size() -> tuple[int, str | None]:
     if soft == resource.RLIM_INFINITY or soft // LIMIT_SHARE >= DEFAULT_MAX_OPEN_SHARDS:
         return DEFAULT_MAX_OPEN_SHARDS, None
     size = max(1, soft // LIMIT_SHARE)
-    return size, (f"at most {size} shard files open at once (not {DEFAULT_MAX_OPEN_SHARDS}): a quarter of this "
-                  f"process's limit of {soft} file descriptors; raise `ulimit -n` or set --max-open-shards")
+    return size, (
+        f"at most {size} shard files open at once (not {DEFAULT_MAX_OPEN_SHARDS}): a quarter of this "
+        f"process's limit of {soft} file descriptors; raise `ulimit -n` or set --max-open-shards"
+    )
 
 
 @dataclass
@@ -132,4 +134,3 @@ class ShardPool:
                 entry.reader.close()
             self._open.clear()
             self._retired.clear()
-

@@ -57,9 +57,11 @@ class RemoteDir:
 
     def __init__(self, url: str):
         if _USERINFO.match(str(url)):  # it would show in messages, logs, run files and process lists
-            raise DFlashCacheError(f"{redact(url)}: credentials in the URL are not accepted; give them the "
-                                   "filesystem's usual way (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                                   "AWS_PROFILE or ~/.aws)")
+            raise DFlashCacheError(
+                f"{redact(url)}: credentials in the URL are not accepted; give them the "
+                "filesystem's usual way (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE or ~/.aws)"
+            )
         self.url = str(url).rstrip("/")
         self._fs = None
         self._root = ""
@@ -111,8 +113,11 @@ class RemoteDir:
         with _errors(self.url_of(rel)):
             if not self.fs.exists(self.path(rel)):
                 return {}
-            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in self.fs.ls(self.path(rel), detail=True)
-                    if e.get("type") == "file"}
+            return {
+                e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
+                for e in self.fs.ls(self.path(rel), detail=True)
+                if e.get("type") == "file"
+            }
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         with _errors(self.url_of(rel)):
@@ -192,8 +197,10 @@ class RangeFile(io.RawIOBase):
     def _fetch(self, start: int, stop: int) -> bytes:
         data = self.remote.read_bytes(self.rel, start, stop)
         if len(data) != stop - start:
-            raise DFlashCacheError(f"{self.remote.url_of(self.rel)}: short read ({len(data)} of {stop - start} "
-                                   "bytes); the object is shorter than the manifest says")
+            raise DFlashCacheError(
+                f"{self.remote.url_of(self.rel)}: short read ({len(data)} of {stop - start} "
+                "bytes); the object is shorter than the manifest says"
+            )
         return data
 
     def readinto(self, buffer) -> int:

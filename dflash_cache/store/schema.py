@@ -48,8 +48,16 @@ class Row:
         return int(self.input_ids.shape[0])
 
     def checksum(self) -> int:
-        return row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden,
-                            self.hidden_scales, self.record_id)
+        return row_checksum(
+            self.input_ids,
+            self.loss_mask,
+            self.target_ids,
+            self.topk_ids,
+            self.topk_logprobs,
+            self.hidden,
+            self.hidden_scales,
+            self.record_id,
+        )
 
     @cached_property
     def record_batch(self) -> pa.RecordBatch:
@@ -73,8 +81,9 @@ class Row:
         return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)
 
 
-def row_checksum(input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidden, hidden_scales,
-                 record_id: str | None = None) -> int:
+def row_checksum(
+    input_ids, loss_mask, target_ids, topk_ids, topk_logprobs, hidden, hidden_scales, record_id: str | None = None
+) -> int:
     """CRC-32 chained over the row's fields in schema order, as little-endian bytes (the record id as
     UTF-8); absent fields skipped, so a version-1 row (no record id) keeps its checksum."""
     crc = 0

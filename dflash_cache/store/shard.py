@@ -144,8 +144,15 @@ class ShardWriter:
     the shard it committed (None for a skipped sample): extraction to a remote cache uploads there.
     """
 
-    def __init__(self, root: Path, rank: int, spec: dict, first_index: int = 0, max_shard_bytes: int = 512 << 20,
-                 on_journal: Callable[[str | None], None] = lambda shard_path: None):
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        spec: dict,
+        first_index: int = 0,
+        max_shard_bytes: int = 512 << 20,
+        on_journal: Callable[[str | None], None] = lambda shard_path: None,
+    ):
         self.root = Path(root)
         self.rank = rank
         self.next_index = first_index
@@ -261,7 +268,7 @@ def append_journal(path: Path, entry: dict) -> None:
         size = os.fstat(fd).st_size
         try:
             while line:
-                line = line[os.write(fd, line):]
+                line = line[os.write(fd, line) :]
             os.fsync(fd)
         except BaseException:
             try:
@@ -302,8 +309,9 @@ def read_journal(path: Path) -> Iterator[dict]:
         with open(path, encoding="utf-8") as f:
             yield from iter_journal(_pieces(f), str(path))
     except UnicodeDecodeError as e:
-        raise DFlashCacheError(f"{path}: not UTF-8 text ({e}); restore the file, or delete it to extract that rank's "
-                               "samples again") from None
+        raise DFlashCacheError(
+            f"{path}: not UTF-8 text ({e}); restore the file, or delete it to extract that rank's samples again"
+        ) from None
 
 
 def parse_journal(text: str, where: str) -> list[dict]:
@@ -355,8 +363,16 @@ class StoredRow:
     record_id: str | None = None
 
     def check(self) -> bool:
-        found = row_checksum(self.input_ids, self.loss_mask, self.target_ids, self.topk_ids, self.topk_logprobs, self.hidden,
-                             self.hidden_scales, self.record_id)
+        found = row_checksum(
+            self.input_ids,
+            self.loss_mask,
+            self.target_ids,
+            self.topk_ids,
+            self.topk_logprobs,
+            self.hidden,
+            self.hidden_scales,
+            self.record_id,
+        )
         return found == self.checksum
 
 
@@ -381,11 +397,15 @@ def exhausted_limit(e: OSError) -> str | None:
     """The one-line message for a process limit that opening a shard ran into, with how to raise it."""
     if e.errno in (errno.EMFILE, errno.ENFILE):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return (f"out of file descriptors opening a shard (ulimit -n is {soft}): raise it (`ulimit -n 65536`), "
-                "or lower --max-open-shards")
+        return (
+            f"out of file descriptors opening a shard (ulimit -n is {soft}): raise it (`ulimit -n 65536`), "
+            "or lower --max-open-shards"
+        )
     if e.errno == errno.ENOMEM or "Cannot allocate memory" in str(e):  # pyarrow's mmap failure has no errno
-        return ("cannot memory-map a shard (out of memory maps or address space): raise `sysctl vm.max_map_count` "
-                "(default 65530) or `ulimit -v`, or lower --max-open-shards")
+        return (
+            "cannot memory-map a shard (out of memory maps or address space): raise `sysctl vm.max_map_count` "
+            "(default 65530) or `ulimit -v`, or lower --max-open-shards"
+        )
     return None
 
 

@@ -67,15 +67,22 @@ class Uploader:
     def reconcile(self, spec: dict) -> None:
         """Bring this rank's staging journal in line with the remote one before extraction starts."""
         local = self.staging / self.journal
-        remote_text = _whole_lines(self.remote.read_bytes(self.journal).decode()) if self.remote.exists(self.journal) else ""
+        remote_text = (
+            _whole_lines(self.remote.read_bytes(self.journal).decode()) if self.remote.exists(self.journal) else ""
+        )
         local_text = local.read_text() if local.is_file() else ""
         whole = _whole_lines(local_text)  # without a torn last line
         if whole.startswith(remote_text) and whole != remote_text and _first_spec(whole) == spec:
             try:
-                pending = [check_shard_path(e["shard"]["path"]) for e in parse_journal(whole[len(remote_text):], str(local))
-                           if "shard" in e]
+                pending = [
+                    check_shard_path(e["shard"]["path"])
+                    for e in parse_journal(whole[len(remote_text) :], str(local))
+                    if "shard" in e
+                ]
             except (KeyError, TypeError, ValueError) as e:
-                raise DFlashCacheError(f"{local}: corrupt entry ({e}); delete it to extract that rank's samples again") from None
+                raise DFlashCacheError(
+                    f"{local}: corrupt entry ({e}); delete it to extract that rank's samples again"
+                ) from None
             if all((self.staging / p).is_file() for p in pending):  # committed here, not uploaded: upload now
                 for path in pending:
                     self.remote.upload(self.staging / path, path)

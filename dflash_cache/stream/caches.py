@@ -18,8 +18,15 @@ from dflash_cache.store.shard import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from and how
 # they were batched.
-FREE_SPEC_FIELDS = {"target.name", "data_hash", "max_length", "chat_template_kwargs", "token_budget", "batching",
-                    "format_version"}
+FREE_SPEC_FIELDS = {
+    "target.name",
+    "data_hash",
+    "max_length",
+    "chat_template_kwargs",
+    "token_budget",
+    "batching",
+    "format_version",
+}
 
 
 def is_held_out(sample_id: int, fraction: float) -> bool:
@@ -33,8 +40,14 @@ def is_held_out(sample_id: int, fraction: float) -> bool:
 class CacheSet:
     """The union of one or more caches with the same spec (target, layers, codec, tokenizer)."""
 
-    def __init__(self, paths: list[str | Path], local_dir: str | Path | None = None, local_bytes: int | None = None,
-                 max_open_shards: int | None = None, verify_shards: bool = False):
+    def __init__(
+        self,
+        paths: list[str | Path],
+        local_dir: str | Path | None = None,
+        local_bytes: int | None = None,
+        max_open_shards: int | None = None,
+        verify_shards: bool = False,
+    ):
         """`paths`: folders or fsspec URLs; `local_dir`: where remote shards are fetched whole (see store.cache);
         `max_open_shards`: the most shards open at once, over all the caches (store.pool); `verify_shards`:
         whether each shard's sha256 is verified on first read (store.cache)."""
@@ -48,7 +61,8 @@ class CacheSet:
             if diff:
                 raise DFlashCacheError(
                     f"caches {first.root} and {cache.root} have different specs ({'; '.join(diff)}); "
-                    "only caches of the same target, layers, codec and tokenizer can be trained on together")
+                    "only caches of the same target, layers, codec and tokenizer can be trained on together"
+                )
         self.spec: dict = first.spec
         self.codec: str = first.codec
         self.width: int = first.width
@@ -69,8 +83,10 @@ class CacheSet:
             for sid in cache.lengths():
                 other = seen.setdefault((source, sid), c)
                 if other != c:
-                    raise DFlashCacheError(f"sample {sid} is in both {self.caches[other].root} and {cache.root} "
-                                           "(same data source); give each cache once")
+                    raise DFlashCacheError(
+                        f"sample {sid} is in both {self.caches[other].root} and {cache.root} "
+                        "(same data source); give each cache once"
+                    )
 
     def __len__(self) -> int:
         return len(self.entries)

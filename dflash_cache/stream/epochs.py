@@ -19,8 +19,16 @@ from dflash_cache.errors import DFlashCacheError
 
 
 class EpochPlan:
-    def __init__(self, keys: Sequence[int], lengths: Sequence[int], token_budget: int, seed: int,
-                 world: int, grad_accum: int, epoch_steps: dict[int, int] | None = None):
+    def __init__(
+        self,
+        keys: Sequence[int],
+        lengths: Sequence[int],
+        token_budget: int,
+        seed: int,
+        world: int,
+        grad_accum: int,
+        epoch_steps: dict[int, int] | None = None,
+    ):
         """`keys`: the samples to train on; `lengths[key]`: their lengths (indexed by key);
         `epoch_steps`: steps per epoch already counted by another plan of the same run (`epoch_steps`),
         so that a rank does not plan every epoch again before its first step."""
@@ -61,7 +69,8 @@ class EpochPlan:
         if self.steps_in_epoch(0) == 0:
             raise DFlashCacheError(
                 f"an epoch has {len(self.batches(0))} batches of {self.token_budget} tokens, fewer than one step needs "
-                f"({self.world} ranks x {self.grad_accum} accumulated batches); lower --token-budget or --grad-accum")
+                f"({self.world} ranks x {self.grad_accum} accumulated batches); lower --token-budget or --grad-accum"
+            )
         if steps is not None:
             return steps
         return sum(self.steps_in_epoch(e) for e in range(epochs or 1))
@@ -75,8 +84,9 @@ class EpochPlan:
         return max(sum(fits(self.lengths[k]) for k in b) for b in self.batches(epoch))
 
 
-def held_out_batches(keys: Sequence[int], lengths: Sequence[int], token_budget: int, seed: int,
-                     rank: int, world: int) -> list[tuple[int, list[int]]]:
+def held_out_batches(
+    keys: Sequence[int], lengths: Sequence[int], token_budget: int, seed: int, rank: int, world: int
+) -> list[tuple[int, list[int]]]:
     """This rank's share of the held-out plan as (plan position, batch); together the ranks cover
     every held-out batch, so a rank may get one batch more than another."""
     batches = plan_batches(list(keys), [lengths[k] for k in keys], token_budget, seed, 0)

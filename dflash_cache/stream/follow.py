@@ -66,8 +66,10 @@ class Waiter:
         holder = FolderLock(self.root, "cache").holder()
         if holder:
             return f"its extraction ({holder}) is running"
-        return ("no extraction is running on it (killed or failed?): rerun the same extract command to go on; "
-                "this run goes on when it commits shards")
+        return (
+            "no extraction is running on it (killed or failed?): rerun the same extract command to go on; "
+            "this run goes on when it commits shards"
+        )
 
     def wait(self, what: str, ready: Callable[[], T | None]) -> T:
         """`ready()`'s first value that is not None. Under several ranks, rank 0 alone calls it (and keeps the
@@ -82,8 +84,11 @@ class Waiter:
                     if value is not None:
                         outcome = ("ok", value)
                     elif self.timeout_s is not None and time.monotonic() - start >= self.timeout_s:
-                        outcome = ("error", f"--follow: nothing new in {self.root} for {self.timeout_s:g} s ({what}); "
-                                            f"{self.extraction()}; resume training with --resume once it does")
+                        outcome = (
+                            "error",
+                            f"--follow: nothing new in {self.root} for {self.timeout_s:g} s ({what}); "
+                            f"{self.extraction()}; resume training with --resume once it does",
+                        )
                 except DFlashCacheError as e:
                     outcome = ("error", str(e))
             outcome = all_gather_objects(outcome)[0]
@@ -157,8 +162,17 @@ class Part:
 class FollowPlan:
     """The epoch plan of a following run (see the module's docstring); `EpochPlan`'s interface in parts."""
 
-    def __init__(self, caches: FollowedCache, run_dir: Path, token_budget: int, seed: int, world: int,
-                 grad_accum: int, eval_fraction: float, waiter: Waiter):
+    def __init__(
+        self,
+        caches: FollowedCache,
+        run_dir: Path,
+        token_budget: int,
+        seed: int,
+        world: int,
+        grad_accum: int,
+        eval_fraction: float,
+        waiter: Waiter,
+    ):
         """Rank 0 decides which shard comes next and keeps the record (the other ranks take its answers)."""
         self.caches = caches
         self.record = Path(run_dir) / FOLLOW_FILE
@@ -180,8 +194,10 @@ class FollowPlan:
         try:
             paths = [json.loads(line)["shard"] for line in self.record.read_text().splitlines() if line.strip()]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DFlashCacheError(f"{self.record}: unreadable ({e}); it lists the shards this run consumed: restore "
-                                   "it, or start a new run") from None
+            raise DFlashCacheError(
+                f"{self.record}: unreadable ({e}); it lists the shards this run consumed: restore "
+                "it, or start a new run"
+            ) from None
         return paths
 
     def _append_record(self, path: str) -> None:
@@ -193,13 +209,17 @@ class FollowPlan:
             os.fsync(f.fileno())
 
     def describe(self, epoch: int = 0) -> list[str]:
-        return [f"the first epoch follows {self.caches.root} as its extraction commits shards, a shard at a time "
-                f"(the order is kept in {self.record.name}); later epochs use the whole cache"]
+        return [
+            f"the first epoch follows {self.caches.root} as its extraction commits shards, a shard at a time "
+            f"(the order is kept in {self.record.name}); later epochs use the whole cache"
+        ]
 
     def total_steps(self, epochs: int | None, steps: int | None) -> int:
         if steps is None:
-            raise DFlashCacheError("--follow needs --steps: the learning-rate schedule needs the run's length, and the "
-                                   "cache's size is not known before its extraction ends")
+            raise DFlashCacheError(
+                "--follow needs --steps: the learning-rate schedule needs the run's length, and the "
+                "cache's size is not known before its extraction ends"
+            )
         return steps
 
     def segment(self, epoch: int, part: int, rank: int) -> tuple[list[list[int]], int, bool]:
@@ -216,20 +236,24 @@ class FollowPlan:
 
     def _whole(self) -> EpochPlan:
         if self.whole is None:
-            self.whole = EpochPlan(self.train_keys, self.caches.lengths, self.token_budget, self.seed, self.world,
-                                   self.grad_accum)
+            self.whole = EpochPlan(
+                self.train_keys, self.caches.lengths, self.token_budget, self.seed, self.world, self.grad_accum
+            )
         return self.whole
 
     def _next_part(self) -> None:
-        entry = self.waiter.wait(f"consumed {len(self.consumed)} shard(s) ({len(self.caches)} samples), waiting for the "
-                                 "next one to be committed", self._next_shard)
+        entry = self.waiter.wait(
+            f"consumed {len(self.consumed)} shard(s) ({len(self.caches)} samples), waiting for the "
+            "next one to be committed",
+            self._next_shard,
+        )
         offset = self.parts[-1].offset + len(self.parts[-1].batches) if self.parts else 0
         if entry == "":  # the manifest lists nothing more: the left-over samples end the epoch
             self.parts.append(Part(self._last_batches(), offset, True))
             return
         shard = shard_record(entry)
         keys = self.caches.add(shard)
-        if shard.path not in self.replay[len(self.consumed):len(self.consumed) + 1]:
+        if shard.path not in self.replay[len(self.consumed) : len(self.consumed) + 1]:
             self._append_record(shard.path)
         self.consumed.append(shard.path)
         train = [k for k in keys if not is_held_out(self.caches.sample_id(k), self.eval_fraction)]
@@ -252,8 +276,10 @@ class FollowPlan:
             if path not in self._committed:  # the journals are read again only for a shard not seen yet
                 self._committed = self.caches.committed()
             if path not in self._committed:
-                raise DFlashCacheError(f"{self.record} lists {path}, which no journal of {self.caches.root} lists: the cache "
-                                       "is not the one this run followed; start a new run")
+                raise DFlashCacheError(
+                    f"{self.record} lists {path}, which no journal of {self.caches.root} lists: the cache "
+                    "is not the one this run followed; start a new run"
+                )
             return self._committed[path].__dict__
         finished = self.caches.finished_shards()  # before the journals: once it exists, they list every shard
         committed = self._committed = self.caches.committed()
@@ -263,8 +289,10 @@ class FollowPlan:
         if finished is None:
             return None
         if finished - done:  # the manifest is built from the journals: a shard it lists is in them
-            raise DFlashCacheError(f"{self.caches.root}: {MANIFEST} lists shards no journal lists; rerun the same extract "
-                                   "command to rebuild it")
+            raise DFlashCacheError(
+                f"{self.caches.root}: {MANIFEST} lists shards no journal lists; rerun the same extract "
+                "command to rebuild it"
+            )
         return ""
 
     def _last_batches(self) -> list[list[int]]:
@@ -272,7 +300,9 @@ class FollowPlan:
         more (each batch at most one per sample); none when fewer samples are left than a step has batches."""
         if not self.carry:
             return []
-        batches = plan_batches(self.carry, [self.caches.lengths[k] for k in self.carry], self.token_budget, self.seed, 0)
+        batches = plan_batches(
+            self.carry, [self.caches.lengths[k] for k in self.carry], self.token_budget, self.seed, 0
+        )
         if len(batches) % self.step_batches == 0:
             return batches
         count = min(-(-len(batches) // self.step_batches), len(self.carry) // self.step_batches) * self.step_batches

@@ -19,10 +19,10 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import torch
-from typing_extensions import Self
 
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
@@ -54,8 +54,9 @@ class HostBatch:
     topk_logprobs: torch.Tensor | None = None  # fp32 [N, K]
 
 
-def empty_host_batch(caches: CacheSet, keys: Sequence[int], pin: bool, capacity_tokens: int = 0,
-                     topk: bool = False) -> HostBatch:
+def empty_host_batch(
+    caches: CacheSet, keys: Sequence[int], pin: bool, capacity_tokens: int = 0, topk: bool = False
+) -> HostBatch:
     """Host buffers for a batch. The planes sit at the front of a buffer sized for `capacity_tokens`
     (the largest batch of the run), so every batch asks the pinned-memory cache for the same size and
     reuses a freed block: sizes that vary from batch to batch fall into different power-of-two
@@ -94,8 +95,10 @@ def check_token_ids(row: Row, vocab: int, topk: bool = False) -> None:
             continue
         outside = (ids < 0) | (ids >= vocab)
         if outside.any():
-            raise DFlashCacheError(f"{name} holds token id {ids[outside][0]}, outside the target's vocabulary of "
-                                   f"{vocab}: the cache is damaged or was not written for this target")
+            raise DFlashCacheError(
+                f"{name} holds token id {ids[outside][0]}, outside the target's vocabulary of "
+                f"{vocab}: the cache is damaged or was not written for this target"
+            )
 
 
 def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
@@ -111,7 +114,9 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
         if batch.scales is not None:
             scales = batch.scales.numpy()[start:end]
             if row.hidden_scales is None or len(row.hidden_scales) != scales.nbytes:
-                raise DFlashCacheError(f"fp8 scales hold {len(row.hidden_scales or b'')} bytes, expected {scales.nbytes}")
+                raise DFlashCacheError(
+                    f"fp8 scales hold {len(row.hidden_scales or b'')} bytes, expected {scales.nbytes}"
+                )
             np.copyto(scales, np.frombuffer(row.hidden_scales, dtype=np.float32).reshape(scales.shape))
     except DFlashCacheError as e:
         raise DFlashCacheError(f"reading {caches.describe(key)}: {e}") from None
@@ -122,9 +127,14 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
     batch.target_ids.numpy()[start:end] = row.target_ids
     if batch.topk_ids is not None:
         k = batch.topk_ids.shape[1]
-        if row.topk_ids is None or len(row.topk_ids) != (end - start) * k or len(row.topk_logprobs) != len(row.topk_ids):
-            raise DFlashCacheError(f"reading {caches.describe(key)}: its top-K labels are missing or not {k} a token; "
-                                   "the cache is damaged")
+        if (
+            row.topk_ids is None
+            or len(row.topk_ids) != (end - start) * k
+            or len(row.topk_logprobs) != len(row.topk_ids)
+        ):
+            raise DFlashCacheError(
+                f"reading {caches.describe(key)}: its top-K labels are missing or not {k} a token; the cache is damaged"
+            )
         batch.topk_ids.numpy()[start:end] = row.topk_ids.reshape(-1, k)
         batch.topk_logprobs.numpy()[start:end] = row.topk_logprobs.reshape(-1, k)
 
@@ -154,8 +164,15 @@ class Loader:
     batches also carry the cache's top-K labels (a cache extracted with --topk).
     """
 
-    def __init__(self, caches: CacheSet, batches: Sequence[Sequence[int]], device: torch.device | str,
-                 prefetch: int = 4, workers: int = 8, topk: bool = False):
+    def __init__(
+        self,
+        caches: CacheSet,
+        batches: Sequence[Sequence[int]],
+        device: torch.device | str,
+        prefetch: int = 4,
+        workers: int = 8,
+        topk: bool = False,
+    ):
         if prefetch < 1 or workers < 1:
             raise DFlashCacheError(f"--prefetch and --workers must be at least 1 (got {prefetch}, {workers})")
         self.caches = caches
@@ -173,8 +190,9 @@ class Loader:
 
     def _fill(self) -> None:
         while self._todo and len(self._host) < self.prefetch:
-            batch = empty_host_batch(self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity,
-                                     topk=self.topk)
+            batch = empty_host_batch(
+                self.caches, self._todo.popleft(), pin=self.cuda, capacity_tokens=self._capacity, topk=self.topk
+            )
             # Rows in shard order: a shard's rows in this batch are read while it is open in the pool.
             order = sorted(range(len(batch.keys)), key=lambda i: self.caches.read_order(batch.keys[i]))
             futures = [self._pool.submit(fill_row, self.caches, batch, i) for i in order]
@@ -225,8 +243,15 @@ class Loader:
         if done is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(done)
-            for t in (batch.input_ids, batch.loss_mask, batch.target_ids, batch.hidden, batch.cu_seqlens,
-                      batch.topk_ids, batch.topk_logprobs):
+            for t in (
+                batch.input_ids,
+                batch.loss_mask,
+                batch.target_ids,
+                batch.hidden,
+                batch.cu_seqlens,
+                batch.topk_ids,
+                batch.topk_logprobs,
+            ):
                 if t is not None:
                     t.record_stream(consumer)  # allocated on the side stream, used on this one
         if self.cuda and self._head_ready(block=False):

@@ -54,9 +54,11 @@ class StepMemory:
         return self.weights + self.head + self.activations
 
     def describe(self) -> str:
-        return (f"about {gb(self.total)} per step (weights and optimizer {gb(self.weights)}, target head "
-                f"{gb(self.head)}, activations {gb(self.activations)} for the largest batch: {self.tokens:,} tokens, "
-                f"up to {self.blocks:,} blocks)")
+        return (
+            f"about {gb(self.total)} per step (weights and optimizer {gb(self.weights)}, target head "
+            f"{gb(self.head)}, activations {gb(self.activations)} for the largest batch: {self.tokens:,} tokens, "
+            f"up to {self.blocks:,} blocks)"
+        )
 
 
 def batch_anchors(lengths: Sequence[int], block_size: int, max_anchors: int, per_batch: int | None = None) -> int:
@@ -81,8 +83,15 @@ def activation_bytes(config: DrafterConfig, tokens: int, anchors: int, dense_mas
     return inputs + layers * per_layer + pairs + logits
 
 
-def estimate_step_memory(config: DrafterConfig, head_bytes: int, batches: Sequence[Sequence[int]],
-                         max_anchors: int, device_type: str, training: bool, per_batch: int | None = None) -> StepMemory:
+def estimate_step_memory(
+    config: DrafterConfig,
+    head_bytes: int,
+    batches: Sequence[Sequence[int]],
+    max_anchors: int,
+    device_type: str,
+    training: bool,
+    per_batch: int | None = None,
+) -> StepMemory:
     """`batches`: the lengths of each batch's sequences (the plan's); `per_batch`: a cap on a batch's anchors.
     The CPU attends through a dense mask."""
     params = parameter_count(config)
@@ -95,15 +104,22 @@ def estimate_step_memory(config: DrafterConfig, head_bytes: int, batches: Sequen
     return StepMemory(weights, head_bytes, best[0], best[1], best[2])
 
 
-def fitting_anchor_cap(config: DrafterConfig, head_bytes: int, batches: Sequence[Sequence[int]], max_anchors: int,
-                       have: int, step: int = 64) -> int | None:
+def fitting_anchor_cap(
+    config: DrafterConfig,
+    head_bytes: int,
+    batches: Sequence[Sequence[int]],
+    max_anchors: int,
+    have: int,
+    step: int = 64,
+) -> int | None:
     """The most anchors per batch, a multiple of `step`, with which a GPU training step of every batch fits in
     `have` bytes; None when not even `step` anchors fit."""
     # A step's memory grows with its tokens and its anchors: only batches that no other batch exceeds in both
     # can be the largest, so those few are tried at each cap, not the whole plan.
     frontier, most = [], -1
-    for tokens, anchors in sorted(((sum(b), batch_anchors(b, config.block_size, max_anchors)) for b in batches),
-                                  reverse=True):
+    for tokens, anchors in sorted(
+        ((sum(b), batch_anchors(b, config.block_size, max_anchors)) for b in batches), reverse=True
+    ):
         if anchors > most:
             frontier.append((tokens, anchors))
             most = anchors
@@ -120,8 +136,9 @@ def fitting_anchor_cap(config: DrafterConfig, head_bytes: int, batches: Sequence
     return low * step or None
 
 
-def default_anchor_cap(config: DrafterConfig, batches: Sequence[Sequence[int]], max_anchors: int,
-                       gpu_bytes: int) -> tuple[int | None, StepMemory]:
+def default_anchor_cap(
+    config: DrafterConfig, batches: Sequence[Sequence[int]], max_anchors: int, gpu_bytes: int
+) -> tuple[int | None, StepMemory]:
     """(the anchors-per-batch cap a GPU of `gpu_bytes` gets when none is given: None when the plan's batches
     fit in GPU_SHARE of it, or when not even a few anchors do; the uncapped estimate)."""
     head = head_bytes(config)
@@ -143,14 +160,20 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of RAM available"
 
 
-def check_fits(estimate: StepMemory, device: torch.device, token_budget: int, max_anchors: int,
-               available: tuple[int, str] | None = None) -> None:
+def check_fits(
+    estimate: StepMemory,
+    device: torch.device,
+    token_budget: int,
+    max_anchors: int,
+    available: tuple[int, str] | None = None,
+) -> None:
     """Stops before the first step when the estimate exceeds what the device has."""
     have, what = available or available_bytes(device)
     if estimate.total > have:
         raise DFlashCacheError(
             f"a step needs {estimate.describe()} but there is {gb(have)} {what}; lower --token-budget "
-            f"(now {token_budget:,}) or --max-anchors (now {max_anchors:,}), or pick a smaller --drafter")
+            f"(now {token_budget:,}) or --max-anchors (now {max_anchors:,}), or pick a smaller --drafter"
+        )
 
 
 def head_bytes(config: DrafterConfig) -> int:
@@ -166,5 +189,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 def out_of_memory(device: torch.device, where: str, token_budget: int, max_anchors: int) -> str:
     """The one line an out-of-memory error becomes: the device, the batch size, what to lower."""
     memory = "GPU memory" if device.type == "cuda" else "memory"
-    return (f"out of {memory} on {device} {where}; lower --token-budget (now {token_budget:,}) or --max-anchors "
-            f"(now {max_anchors:,})")
+    return (
+        f"out of {memory} on {device} {where}; lower --token-budget (now {token_budget:,}) or --max-anchors "
+        f"(now {max_anchors:,})"
+    )

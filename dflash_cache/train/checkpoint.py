@@ -66,8 +66,15 @@ def _fsync_tree(root: Path) -> None:
     fsync_dir(root)
 
 
-def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, position: dict, rng_states: list[dict]) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    position: dict,
+    rng_states: list[dict],
+) -> Path:
     """`position`: {"step", "epoch", "batch"}; `rng_states`: one per rank. Returns the folder."""
     root = Path(run_dir) / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -77,15 +84,24 @@ def save_checkpoint(run_dir: Path, step: int, drafter: torch.nn.Module, optimize
     try:
         tmp.mkdir()
         save_drafter(drafter, tmp, full_precision_weights(drafter, optimizer))
-        save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "position": position, "rng": rng_states}, tmp, TRAIN_STATE)
+        save_state(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "position": position,
+                "rng": rng_states,
+            },
+            tmp,
+            TRAIN_STATE,
+        )
         faults.point("checkpoint.write")
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
         _fsync_tree(tmp)
     except (OSError, SafetensorError) as e:  # a full disk: the half-written folder goes, the last complete one stays
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failed(final, root, e, "rerun the same train command with --resume to continue from the last "
-                                           "complete checkpoint") from None
+        raise write_failed(
+            final, root, e, "rerun the same train command with --resume to continue from the last complete checkpoint"
+        ) from None
     if final.exists():  # a resumed run saving a step that an earlier attempt also saved
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -139,7 +155,9 @@ def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: torch.optim
         raise DFlashCacheError(f"{path}: the training state does not fit this run ({first_line(e)})") from None
 
 
-def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, drafter: torch.nn.Module, where: Path) -> None:
+def _check_optimizer_state(
+    saved: dict, optimizer: torch.optim.Optimizer, drafter: torch.nn.Module, where: Path
+) -> None:
     """Each saved moment has its parameter's shape and only finite values: otherwise the first step
     failed on a shape naming no file, or its NaN loss was blamed on the data."""
     names = {p: name for name, p in drafter.named_parameters()}
@@ -151,7 +169,8 @@ def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, drafte
                 continue
             what = f"optimizer state {key} of {names.get(p, f'parameter {saved_id}')}"
             if key != "step" and value.shape != p.shape:
-                raise DFlashCacheError(f"{where}: {what} is {list(value.shape)}, the parameter is {list(p.shape)}; "
-                                       f"{_DAMAGED}")
+                raise DFlashCacheError(
+                    f"{where}: {what} is {list(value.shape)}, the parameter is {list(p.shape)}; {_DAMAGED}"
+                )
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise DFlashCacheError(f"{where}: {what} holds non-finite values; {_DAMAGED}")

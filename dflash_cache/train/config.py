@@ -20,7 +20,9 @@ class TrainConfig:
     num_draft_layers: int | None = None
     target_gpus: list[int] | None = None  # the target's GPU for each local rank; None: each rank's own device
     max_length: int = 8192
-    exact_target: bool = False  # one sample per target forward: bit-exact against a --batching padded --token-budget 1 cache
+    exact_target: bool = (
+        False  # one sample per target forward: bit-exact against a --batching padded --token-budget 1 cache
+    )
     drafter: str = "target"  # "target" (the target's own shape), a preset name or a JSON file of config fields
     gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
     cpu_procs: int = 0  # > 0: train on the CPU with this many processes (gloo DDP), GPUs or not
@@ -61,11 +63,17 @@ class TrainConfig:
 
     def check(self) -> None:
         self.check_source()
-        positive = {"token_budget": self.token_budget, "grad_accum": self.grad_accum, "max_anchors": self.max_anchors,
-                    "anchors_per_batch": 1 if self.anchors_per_batch is None else self.anchors_per_batch,
-                    "eval_every": self.eval_every, "log_every": self.log_every,
-                    "prefetch": self.prefetch, "workers": self.workers,
-                    "max_open_shards": 1 if self.max_open_shards is None else self.max_open_shards}
+        positive = {
+            "token_budget": self.token_budget,
+            "grad_accum": self.grad_accum,
+            "max_anchors": self.max_anchors,
+            "anchors_per_batch": 1 if self.anchors_per_batch is None else self.anchors_per_batch,
+            "eval_every": self.eval_every,
+            "log_every": self.log_every,
+            "prefetch": self.prefetch,
+            "workers": self.workers,
+            "max_open_shards": 1 if self.max_open_shards is None else self.max_open_shards,
+        }
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -121,8 +129,13 @@ class TrainConfig:
         if self.live_target is None:
             if not self.caches:
                 raise DFlashCacheError("give --cache CACHE, or --live-target MODEL_DIR with --data FILE")
-            live_only = {"data": self.data, "layers": self.layers, "num_draft_layers": self.num_draft_layers,
-                         "target_gpus": self.target_gpus, "exact_target": self.exact_target}
+            live_only = {
+                "data": self.data,
+                "layers": self.layers,
+                "num_draft_layers": self.num_draft_layers,
+                "target_gpus": self.target_gpus,
+                "exact_target": self.exact_target,
+            }
             if given := [name for name, value in live_only.items() if value]:
                 raise DFlashCacheError(f"--{given[0].replace('_', '-')} applies only with --live-target")
             if self.follow:
@@ -130,14 +143,17 @@ class TrainConfig:
             elif self.follow_timeout_s is not None:
                 raise DFlashCacheError("--follow-timeout applies only with --follow")
             if self.local_cache is not None and not any(is_remote(c) for c in self.caches):
-                raise DFlashCacheError("--local-cache applies only with a remote --cache (s3://...); "
-                                       "a local cache is read in place")
+                raise DFlashCacheError(
+                    "--local-cache applies only with a remote --cache (s3://...); a local cache is read in place"
+                )
             return
         if not self.data:
             raise DFlashCacheError("--live-target needs --data FILE: the samples the target runs over")
         if self.loss == "topk":
-            raise DFlashCacheError("--loss topk reads the target's top-K labels from a cache extracted with --topk K; "
-                                   "--live-target computes none: use --cache, or --loss dflash or dpace")
+            raise DFlashCacheError(
+                "--loss topk reads the target's top-K labels from a cache extracted with --topk K; "
+                "--live-target computes none: use --cache, or --loss dflash or dpace"
+            )
         if self.local_cache is not None:
             raise DFlashCacheError("--local-cache applies only with --cache")
         if self.follow:
@@ -149,20 +165,41 @@ class TrainConfig:
 
     def check_follow(self) -> None:
         if len(self.caches) != 1:
-            raise DFlashCacheError(f"--follow follows one cache (got {len(self.caches)}); train on the others once finished")
+            raise DFlashCacheError(
+                f"--follow follows one cache (got {len(self.caches)}); train on the others once finished"
+            )
         if self.steps is None:
-            raise DFlashCacheError("--follow needs --steps: the learning-rate schedule needs the run's length, and the "
-                                   "cache's size is not known before its extraction ends")
+            raise DFlashCacheError(
+                "--follow needs --steps: the learning-rate schedule needs the run's length, and the "
+                "cache's size is not known before its extraction ends"
+            )
         if self.compile:
-            raise DFlashCacheError("--follow trains eagerly: the compiled drafter is sized from the whole first epoch, "
-                                   "which is not known before the extraction ends; leave out --compile")
+            raise DFlashCacheError(
+                "--follow trains eagerly: the compiled drafter is sized from the whole first epoch, "
+                "which is not known before the extraction ends; leave out --compile"
+            )
         if self.follow_timeout_s is not None and self.follow_timeout_s <= 0:
             raise DFlashCacheError(f"--follow-timeout must be positive (got {self.follow_timeout_s})")
 
     def trajectory(self) -> dict:
         """The options that decide the losses of a run: a resumed run must have the same ones."""
-        keep = ("epochs", "steps", "token_budget", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
-                "grad_accum", "max_anchors", "gamma", "labels", "compile", "eval_fraction", "seed")
+        keep = (
+            "epochs",
+            "steps",
+            "token_budget",
+            "lr",
+            "min_lr_ratio",
+            "warmup",
+            "weight_decay",
+            "grad_clip",
+            "grad_accum",
+            "max_anchors",
+            "gamma",
+            "labels",
+            "compile",
+            "eval_fraction",
+            "seed",
+        )
         values = asdict(self)
         kept = {name: values[name] for name in keep}
         if self.anchors_per_batch is not None:  # absent from the runs that predate it, which can still resume

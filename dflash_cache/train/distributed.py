@@ -75,9 +75,13 @@ def init_rank(rank: int, world: int, device: str, timeout_s: float) -> Rank:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return Rank(rank, world, device)
 
 
@@ -140,13 +144,16 @@ def launch(fn: Callable, devices: list[str], args: tuple = ()) -> None:
         return
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_child, args=(fn, devices, free_port(), errors, args), nprocs=len(devices),
-                               join=False, start_method="spawn")
+    procs = mp.start_processes(
+        _child, args=(fn, devices, free_port(), errors, args), nprocs=len(devices), join=False, start_method="spawn"
+    )
     try:
         while not procs.join(timeout=1.0, grace_period=GRACE_S):
             pass
     except ProcessException as e:
-        if getattr(e, "signal_name", None) or errors.empty():  # a rank killed from outside: the others' errors follow from it
+        if (
+            getattr(e, "signal_name", None) or errors.empty()
+        ):  # a rank killed from outside: the others' errors follow from it
             raise RankFailed(f"rank {e.error_index} died ({e}) without reporting an error") from None
         rank, user_error, message, trace = errors.get()  # the first to fail: others fail after it exits
         error = (DFlashCacheError if user_error else RankFailed)(f"rank {rank}: {message}")

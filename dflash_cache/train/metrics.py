@@ -33,8 +33,10 @@ def tokens_per_s(rate: float) -> str:
 
 
 def eval_line(record: dict) -> str:
-    return (f"eval @ step {record['step']}: loss {record['eval_loss']:.4f} | tau {record['eval_tau']:.3f} | "
-            f"acc1 {record['eval_acc_1']:.3f} | {record['eval_batches']} batches")
+    return (
+        f"eval @ step {record['step']}: loss {record['eval_loss']:.4f} | tau {record['eval_tau']:.3f} | "
+        f"acc1 {record['eval_acc_1']:.3f} | {record['eval_batches']} batches"
+    )
 
 
 def _summary_writer(directory: Path, purge_step: int | None):
@@ -51,7 +53,9 @@ def _after_existing_files(directory: Path) -> None:
     the files in name order, which starts with the creation second, then the pid and a counter compared
     as text. A resume within the second of the last file could otherwise be read before it, its purge
     mark first (seen in CI: steps 3-6, then 1-6)."""
-    seconds = [int(p.name.split(".")[3]) for p in directory.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
+    seconds = [
+        int(p.name.split(".")[3]) for p in directory.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()
+    ]
     while seconds and time.time() < max(seconds) + 1:
         time.sleep(0.05)
 
@@ -62,8 +66,9 @@ class MetricsLog:
     files are only appended to: the new file starts with a purge mark, which tells TensorBoard to
     drop the earlier files' events past the resumed step."""
 
-    def __init__(self, run_dir: Path, total_steps: int, resumed_step: int, echo: Callable[[str], None],
-                 log_every: int = 1):
+    def __init__(
+        self, run_dir: Path, total_steps: int, resumed_step: int, echo: Callable[[str], None], log_every: int = 1
+    ):
         self.total_steps = total_steps
         self.echo = echo
         self.log_every = log_every

@@ -47,10 +47,14 @@ def drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tu
         note = f"mask token {chosen.id}{name}: {chosen.why} (the tokenizer declares no mask token)"
         return target_drafter_config(tokenizer_dir, spec["layer_ids"], chosen.id, chosen.text), [note]
     config = load_drafter_config(name_or_path)
-    return adapt_to_cache(config, target_hidden_size=spec["target"]["hidden_size"],
-                          vocab_size=spec["target"]["vocab_size"],
-                          mask_token_id=config.mask_token_id if mask is None else mask,
-                          layer_ids=spec["layer_ids"], num_target_layers=spec["target"]["num_layers"])
+    return adapt_to_cache(
+        config,
+        target_hidden_size=spec["target"]["hidden_size"],
+        vocab_size=spec["target"]["vocab_size"],
+        mask_token_id=config.mask_token_id if mask is None else mask,
+        layer_ids=spec["layer_ids"],
+        num_target_layers=spec["target"]["num_layers"],
+    )
 
 
 def check_head(caches: CacheSet) -> Path:

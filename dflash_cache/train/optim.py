@@ -7,8 +7,9 @@ import math
 import torch
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+) -> torch.optim.AdamW:
     """Weight decay on matrices only; norms and biases are not decayed. On a GPU the update is one
     compiled function (CompiledAdamW) and the model's matrices become bf16 working copies of fp32
     masters held by the optimizer; elsewhere torch's own AdamW on the fp32 weights."""
@@ -22,10 +23,20 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
-def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, divisor: torch.Tensor,
-                 beta1: float, beta2: float, eps: float, weight_decay: float,
-                 masters: list[torch.Tensor] | None = None) -> None:
+def adamw_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    lr: torch.Tensor,
+    divisor: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    masters: list[torch.Tensor] | None = None,
+) -> None:
     """torch.optim.AdamW's update (decoupled weight decay, no amsgrad), tensor by tensor, on the gradients
     divided by `divisor`. `lr` and `divisor` are 0-d tensors on the parameters' device, so that one
     compiled update serves every step. With `masters`, the update is made to them in fp32 (from
@@ -59,8 +70,16 @@ class CompiledAdamW(torch.optim.AdamW):
     `state_dict()`: a checkpoint holds them as the drafter's weights (`full_precision_weights`,
     `load_full_precision_weights`)."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
-                 eps: float = 1e-8, compile: bool = True, bf16_matrices: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.01,
+        eps: float = 1e-8,
+        compile: bool = True,
+        bf16_matrices: bool = False,
+    ):
         # capturable: a loaded checkpoint's step counts stay on the parameters' device
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True)
         self.update = torch.compile(adamw_update) if compile else adamw_update
@@ -73,7 +92,9 @@ class CompiledAdamW(torch.optim.AdamW):
                         self.masters[p] = p.detach().clone()
                         p.data = p.data.to(torch.bfloat16)
 
-    def _scalar_tensors(self, device: torch.device, lr: float, divisor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scalar_tensors(
+        self, device: torch.device, lr: float, divisor: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(lr, divisor) as 0-d tensors on `device`, refilled in place (from a divisor on any device):
         torch.tensor(x, device=cuda) would wait for the GPU."""
         if device not in self.scalars:
@@ -110,9 +131,20 @@ class CompiledAdamW(torch.optim.AdamW):
                 if part:
                     states = [self.state[p] for p in part]
                     masters = [self.masters[p] for p in part] if part[0] in self.masters else None
-                    self.update(part, [p.grad for p in part], [s["exp_avg"] for s in states],
-                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, divisor,
-                                beta1, beta2, group["eps"], group["weight_decay"], masters)
+                    self.update(
+                        part,
+                        [p.grad for p in part],
+                        [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states],
+                        [s["step"] for s in states],
+                        lr,
+                        divisor,
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        group["weight_decay"],
+                        masters,
+                    )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the moments of a parameter with a master stay fp32 (torch casts every
@@ -138,8 +170,9 @@ def full_precision_weights(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return state
 
 
-def load_full_precision_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                weights: dict[str, torch.Tensor]) -> None:
+def load_full_precision_weights(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor]
+) -> None:
     """Loads checkpoint `weights` into the model, each cast to its parameter's dtype, and into the
     optimizer's masters as they are."""
     masters = getattr(optimizer, "masters", {})
@@ -217,6 +250,7 @@ class Schedule:
         self._apply()
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    min_lr_ratio: float = 0.1) -> Schedule:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
+) -> Schedule:
     return Schedule(optimizer, warmup_steps, total_steps, min_lr_ratio)

@@ -83,14 +83,17 @@ class CacheSource(Source):
     def check(self) -> None:
         check_head(self.caches)
         if self.topk and not self.spec.get("topk"):
-            raise DFlashCacheError(f"--loss topk needs the target's top-K labels, which {self.caches.caches[0].root} lacks: "
-                                   "extract it with --topk K (e.g. --topk 8), or train with --loss dflash or dpace")
+            raise DFlashCacheError(
+                f"--loss topk needs the target's top-K labels, which {self.caches.caches[0].root} lacks: "
+                "extract it with --topk K (e.g. --topk 8), or train with --loss dflash or dpace"
+            )
         for cache in self.caches.caches:
             masked = cache.manifest.get("extract", {}).get("masked_tokens")
             if masked is not None and sum(masked.values()) == 0:
                 raise DFlashCacheError(
                     f"{cache.root} holds no token to train on (every loss mask is zero); extract it again from "
-                    "data with assistant turns within --max-length")
+                    "data with assistant turns within --max-length"
+                )
             cache.check_shards()  # a missing shard is found now, not steps into the run
 
     def describe(self) -> str:
@@ -129,8 +132,11 @@ class LiveTargetSource(Source):
         self.live = live
 
     def describe(self) -> str:
-        forwards = ("one sample per target forward" if self.live.forward_tokens is None
-                    else f"target forwards of <= {self.live.forward_tokens} padded tokens")
+        forwards = (
+            "one sample per target forward"
+            if self.live.forward_tokens is None
+            else f"target forwards of <= {self.live.forward_tokens} padded tokens"
+        )
         return f"{len(self.live)} samples computed live by {self.live.info.path} ({forwards})"
 
     def identity(self) -> tuple[list[dict], list[int]]:
@@ -144,8 +150,12 @@ class LiveTargetSource(Source):
         return closing(self.live.batches(plan, device))
 
 
-def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | None = None,
-                echo: Callable[[str], None] | None = None) -> Source:
+def open_source(
+    cfg: TrainConfig,
+    target_device: str = "cpu",
+    target: Target | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> Source:
     """The source `cfg` names. A live target loads on `target_device` when first used, unless `target`
     gives it already loaded (benchmarks build one in place). `echo`: where a followed cache's waits are said."""
     if cfg.follow:
@@ -155,8 +165,15 @@ def open_source(cfg: TrainConfig, target_device: str = "cpu", target: Target | N
     if cfg.live_target is None:
         caches = CacheSet(cfg.caches, cfg.local_cache, cfg.local_cache_bytes, cfg.max_open_shards, verify_shards=True)
         return CacheSource(caches, cfg.prefetch, cfg.workers, topk=cfg.loss == "topk")
-    live = LiveSource(target or cfg.live_target, cfg.data, cfg.layers, cfg.num_draft_layers, target_device,
-                      cfg.max_length, forward_tokens=None if cfg.exact_target else cfg.token_budget)
+    live = LiveSource(
+        target or cfg.live_target,
+        cfg.data,
+        cfg.layers,
+        cfg.num_draft_layers,
+        target_device,
+        cfg.max_length,
+        forward_tokens=None if cfg.exact_target else cfg.token_budget,
+    )
     return LiveTargetSource(live)
 
 
@@ -165,8 +182,10 @@ def check_target_gpus(cfg: TrainConfig, ranks: int) -> None:
     if cfg.target_gpus is None:
         return
     if len(cfg.target_gpus) != ranks:
-        raise DFlashCacheError(f"--target-gpus names {len(cfg.target_gpus)} GPU(s) for {ranks} training rank(s); "
-                               "give one per rank, in --gpus order")
+        raise DFlashCacheError(
+            f"--target-gpus names {len(cfg.target_gpus)} GPU(s) for {ranks} training rank(s); "
+            "give one per rank, in --gpus order"
+        )
     visible = visible_gpus()
     if missing := [g for g in cfg.target_gpus if g not in visible]:
         raise DFlashCacheError(f"--target-gpus names GPUs {missing} but this machine has {len(visible)} visible GPU(s)")

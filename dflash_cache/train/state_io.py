@@ -50,8 +50,10 @@ def load_state(directory: Path, name: str) -> object:
     json_path, tensor_path = Path(directory) / f"{name}.json", Path(directory) / f"{name}.safetensors"
     for path in (json_path, tensor_path):
         if not path.is_file():
-            raise DFlashCacheError(f"{path} is missing; this checkpoint is incomplete or was written by an older "
-                                   "dflash-cache (whose pickled train_state.pt is not read: it could run code)")
+            raise DFlashCacheError(
+                f"{path} is missing; this checkpoint is incomplete or was written by an older "
+                "dflash-cache (whose pickled train_state.pt is not read: it could run code)"
+            )
     try:
         structure = json.loads(json_path.read_text())
         tensors = load_file(tensor_path)
@@ -65,7 +67,7 @@ def load_state(directory: Path, name: str) -> object:
             return value
         if len(value) != 1:
             raise ValueError(f"an object with keys {sorted(value)[:3]}")
-        (kind, body), = value.items()
+        ((kind, body),) = value.items()
         if kind == "tensor" and isinstance(body, str) and body in tensors:
             return tensors[body]
         if kind == "tuple" and isinstance(body, list):

@@ -100,7 +100,9 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
         cfg.check()
         check_target_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         # Every rank goes on even when the run is finished (its loop is then empty): the others wait for rank 0.
-        epoch_steps, lock = prepare(cfg, world, echo) if rank == 0 else (None, None)  # rank 0 alone writes the run folder
+        epoch_steps, lock = (
+            prepare(cfg, world, echo) if rank == 0 else (None, None)
+        )  # rank 0 alone writes the run folder
         try:
             run_rank(rank, world, device, cfg, echo, local, epoch_steps)
         finally:
@@ -121,8 +123,11 @@ def train(cfg: TrainConfig, echo: Echo = print) -> None:
 
 def with_device_defaults(cfg: TrainConfig, device_type: str) -> TrainConfig:
     token_budget, max_anchors = device_defaults(device_type)
-    return replace(cfg, token_budget=token_budget if cfg.token_budget is None else cfg.token_budget,
-                   max_anchors=max_anchors if cfg.max_anchors is None else cfg.max_anchors)
+    return replace(
+        cfg,
+        token_budget=token_budget if cfg.token_budget is None else cfg.token_budget,
+        max_anchors=max_anchors if cfg.max_anchors is None else cfg.max_anchors,
+    )
 
 
 def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | None, FolderLock]:
@@ -145,17 +150,21 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
         if cfg.max_open_shards is None and (pool_note := default_pool_size()[1]):
             echo(pool_note)
         echo(describe_drafter(config))
-        echo(f"{source.describe()}: {len(train_keys)} to train on, "
-             f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
-             f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
-             + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch"))
+        echo(
+            f"{source.describe()}: {len(train_keys)} to train on, "
+            f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
+            f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
+            + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch")
+        )
         for line in plan_lines:
             echo(line)
         if checkpoint is not None:
             done = checkpoint_step(checkpoint)
             if done >= total:
-                echo(f"{cfg.out} is finished: {checkpoint.name} is its last step ({total}), nothing to train. To train "
-                     "further, start a new run in another --out with more --steps or --epochs.")
+                echo(
+                    f"{cfg.out} is finished: {checkpoint.name} is its last step ({total}), nothing to train. To train "
+                    "further, start a new run in another --out with more --steps or --epochs."
+                )
                 return None, lock
             echo(f"resuming from {checkpoint} (step {done} of {total})")
     finally:
@@ -163,28 +172,53 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
     return plan.epoch_steps, lock
 
 
-def make_plan(cfg: TrainConfig, source: Source, train_keys: list[int], world: int,
-              epoch_steps: dict[int, int] | None, echo: Echo | None) -> EpochPlan | FollowPlan:
+def make_plan(
+    cfg: TrainConfig,
+    source: Source,
+    train_keys: list[int],
+    world: int,
+    epoch_steps: dict[int, int] | None,
+    echo: Echo | None,
+) -> EpochPlan | FollowPlan:
     """The run's epoch plan: the ordinary one, or one whose first epoch follows the cache (`--follow`)."""
     if isinstance(source, FollowSource):
-        return FollowPlan(source.followed, Path(cfg.out), cfg.token_budget, cfg.seed, world, cfg.grad_accum,
-                          cfg.eval_fraction, source.waiter)
+        return FollowPlan(
+            source.followed,
+            Path(cfg.out),
+            cfg.token_budget,
+            cfg.seed,
+            world,
+            cfg.grad_accum,
+            cfg.eval_fraction,
+            source.waiter,
+        )
     return EpochPlan(train_keys, source.lengths, cfg.token_budget, cfg.seed, world, cfg.grad_accum, epoch_steps)
 
 
-def run_rank(rank: int, world: int, device: str, cfg: TrainConfig, echo: Echo, local: int | None = None,
-             epoch_steps: dict[int, int] | None = None) -> None:
+def run_rank(
+    rank: int,
+    world: int,
+    device: str,
+    cfg: TrainConfig,
+    echo: Echo,
+    local: int | None = None,
+    epoch_steps: dict[int, int] | None = None,
+) -> None:
     """One rank; `local`: its index on this node (torchrun's LOCAL_RANK; a spawned rank's own index);
     `epoch_steps`: from `prepare` in this run."""
     me = init_rank(rank, world, device, cfg.collective_timeout_s)
     try:
-        source = open_source(cfg, target_device(cfg, rank if local is None else local, device), echo=echo if rank == 0 else None)
+        source = open_source(
+            cfg, target_device(cfg, rank if local is None else local, device), echo=echo if rank == 0 else None
+        )
         run(me, cfg, echo if me.is_main else None, source, epoch_steps)
     finally:
         shutdown()
 
 
-def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_steps: dict[int, int] | None = None) -> None:
+def run(
+    me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_steps: dict[int, int] | None = None
+) -> None:
     """This rank's training loop, fed by `source` (closed at the end)."""
     out = Path(cfg.out)
     train_keys, eval_keys = source.split(cfg.eval_fraction)
@@ -194,11 +228,15 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
 
     config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
     # A followed cache's batches are not known yet: its memory is checked for a batch of one sample filling the budget.
-    lengths = ([[min(cfg.token_budget, source.spec["max_length"])]] if isinstance(plan, FollowPlan)
-               else [[source.lengths[k] for k in b] for b in plan.batches(0)])
+    lengths = (
+        [[min(cfg.token_budget, source.spec["max_length"])]]
+        if isinstance(plan, FollowPlan)
+        else [[source.lengths[k] for k in b] for b in plan.batches(0)]
+    )
     per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
-    memory = estimate_step_memory(config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True,
-                                  per_batch=per_batch)
+    memory = estimate_step_memory(
+        config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True, per_batch=per_batch
+    )
     have, what = available_bytes(me.device)
     if echo is not None:
         echo(f"memory: {memory.describe()}; {gb(have)} {what}")
@@ -224,18 +262,27 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
         anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
         anchor_budget = anchor_budget if per_batch is None else min(anchor_budget, per_batch)
         if echo is not None:
-            echo_padding(echo, anchor_budget, [batch_anchors(b, config.block_size, cfg.max_anchors, per_batch) for b in lengths])
+            echo_padding(
+                echo, anchor_budget, [batch_anchors(b, config.block_size, cfg.max_anchors, per_batch) for b in lengths]
+            )
         token_budget = max(cfg.token_budget, max(source.lengths[k] for k in train_keys))
-        runner = DrafterRunner(ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget,
-                               backend=cfg.compile_backend)
+        runner = DrafterRunner(
+            ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget, backend=cfg.compile_backend
+        )
     else:
         runner = DrafterRunner(ddp)
     eval_runner = DrafterRunner(model)  # eager and unwrapped: ranks may evaluate different numbers of batches
     if echo is not None and me.device.type == "cuda":
-        echo((f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
-              f"{anchor_budget:,} anchors" if cfg.compile else
-              "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
-              "dynamic shapes, once for every batch shape") + ", and AdamW's update")
+        echo(
+            (
+                f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
+                f"{anchor_budget:,} anchors"
+                if cfg.compile
+                else "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
+                "dynamic shapes, once for every batch shape"
+            )
+            + ", and AdamW's update"
+        )
 
     log = None
     if echo is not None:
@@ -255,8 +302,18 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                     anchors; None past the epoch or the run."""
                     if local >= len(batches) or step >= total:
                         return None
-                    return [with_anchors(next(loader), cfg, me, epoch, offset + plan.global_index(local + i, me.rank),
-                                         config.block_size, anchor_budget or per_batch) for i in range(cfg.grad_accum)]
+                    return [
+                        with_anchors(
+                            next(loader),
+                            cfg,
+                            me,
+                            epoch,
+                            offset + plan.global_index(local + i, me.rank),
+                            config.block_size,
+                            anchor_budget or per_batch,
+                        )
+                        for i in range(cfg.grad_accum)
+                    ]
 
                 micro = micro_batches(start, position["step"])
                 for local in range(start, len(batches), cfg.grad_accum):
@@ -286,7 +343,9 @@ def run(me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_ste
                     evaluating = step % cfg.eval_every == 0 or step == total
                     if evaluating and isinstance(plan, FollowPlan):  # the held-out samples committed so far
                         eval_keys = source.split(cfg.eval_fraction)[1]
-                        held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
+                        held_out = held_out_batches(
+                            eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world
+                        )
                     if eval_keys and evaluating:  # every rank, even one with no batch
                         result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size, per_batch)
                         if log is not None:
@@ -321,9 +380,11 @@ def anchors_per_batch(cfg: TrainConfig, config, lengths: list[list[int]], me: Ra
     if not caps:
         return None
     if echo is not None:
-        echo(f"the plan's largest batch ({need.tokens:,} tokens, up to {need.blocks:,} blocks) needs about {gb(need.total)} a "
-             f"step, more than {GPU_SHARE:.0%} of the GPU's {gb(total)}: each batch trains on at most {min(caps):,} blocks, "
-             f"a uniform subset of its own (--anchors-per-batch sets this; --token-budget and --max-anchors change the batches)")
+        echo(
+            f"the plan's largest batch ({need.tokens:,} tokens, up to {need.blocks:,} blocks) needs about {gb(need.total)} a "
+            f"step, more than {GPU_SHARE:.0%} of the GPU's {gb(total)}: each batch trains on at most {min(caps):,} blocks, "
+            f"a uniform subset of its own (--anchors-per-batch sets this; --token-budget and --max-anchors change the batches)"
+        )
     return min(caps)
 
 
@@ -332,21 +393,30 @@ def echo_padding(echo: Echo, anchor_budget: int, anchors: list[int]) -> None:
     mean = sum(anchors) / max(len(anchors), 1)
     if anchor_budget > 1.1 * mean:
         fixed = f": --anchors-per-batch {min(anchors):,} or less gives every batch that count" if min(anchors) else ""
-        echo(f"the compiled drafter pads every batch to {anchor_budget:,} blocks; this plan's batches get {mean:,.0f} on "
-             f"average, so {1 - mean / anchor_budget:.0%} of its block rows are padding (eager mode computes none){fixed}")
+        echo(
+            f"the compiled drafter pads every batch to {anchor_budget:,} blocks; this plan's batches get {mean:,.0f} on "
+            f"average, so {1 - mean / anchor_budget:.0%} of its block rows are padding (eager mode computes none){fixed}"
+        )
 
 
-def with_anchors(batch: FeatureBatch, cfg: TrainConfig, me: Rank, epoch: int, index: int, block_size: int,
-                 anchor_cap: int | None) -> tuple[FeatureBatch, torch.Tensor]:
+def with_anchors(
+    batch: FeatureBatch, cfg: TrainConfig, me: Rank, epoch: int, index: int, block_size: int, anchor_cap: int | None
+) -> tuple[FeatureBatch, torch.Tensor]:
     """The batch at plan position `index` of `epoch` and its anchors, drawn from that position's seed.
     `anchor_cap`: the most anchors of a batch (the compiled drafter's budget, or --anchors-per-batch)."""
     generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, TRAIN, epoch, index))
     return batch, sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=anchor_cap)
 
 
-def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[FeatureBatch, torch.Tensor]],
-               cfg: TrainConfig, me: Rank, step: int, source: Source
-               ) -> tuple[list[float], float, torch.Tensor, list[torch.Tensor]]:
+def train_step(
+    runner: DrafterRunner,
+    ddp: torch.nn.Module,
+    micro: list[tuple[FeatureBatch, torch.Tensor]],
+    cfg: TrainConfig,
+    me: Rank,
+    step: int,
+    source: Source,
+) -> tuple[list[float], float, torch.Tensor, list[torch.Tensor]]:
     """Forward and backward of this rank's micro-batches (each with its anchors); gradients averaged over
     ranks by DDP. Returns the step's STATS summed over every rank, the gradient norm before clipping (a
     number, and the tensor on the device), and this rank's loss of each micro-batch."""
@@ -358,17 +428,31 @@ def train_step(runner: DrafterRunner, ddp: torch.nn.Module, micro: list[tuple[Fe
         try:
             with sync:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
-                                 dpace_alpha=cfg.dpace_alpha)
+                    out = runner(
+                        batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss, dpace_alpha=cfg.dpace_alpha
+                    )
                 (out.loss / len(micro)).backward()
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
-            raise DFlashCacheError(out_of_memory(me.device, f"at step {step + 1} on {describe_batch(batch, source)}",
-                                                 cfg.token_budget, cfg.max_anchors)) from None
-        stats += torch.stack([out.loss.detach().double(), (out.tau * out.num_blocks).double(),
-                              out.num_blocks.double(), out.correct[0].double(), out.total[0].double(),
-                              torch.full((), batch.num_tokens, device=me.device, dtype=torch.float64)])  # no host copy: no wait
+            raise DFlashCacheError(
+                out_of_memory(
+                    me.device,
+                    f"at step {step + 1} on {describe_batch(batch, source)}",
+                    cfg.token_budget,
+                    cfg.max_anchors,
+                )
+            ) from None
+        stats += torch.stack(
+            [
+                out.loss.detach().double(),
+                (out.tau * out.num_blocks).double(),
+                out.num_blocks.double(),
+                out.correct[0].double(),
+                out.total[0].double(),
+                torch.full((), batch.num_tokens, device=me.device, dtype=torch.float64),
+            ]
+        )  # no host copy: no wait
         losses.append(out.loss.detach())
     norm = gradient_norm(ddp.parameters())
     values = torch.cat([all_reduce_sum(stats), norm.detach().double().reshape(1)]).tolist()
@@ -380,8 +464,9 @@ def describe_batch(batch: FeatureBatch, source: Source, limit: int = 16) -> str:
     return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){source.where}"
 
 
-def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cfg: TrainConfig, step: int,
-                     source: Source) -> None:
+def handle_nonfinite(
+    batches: list[FeatureBatch], losses: list[torch.Tensor], cfg: TrainConfig, step: int, source: Source
+) -> None:
     """Skip the step (--skip-nonfinite) or stop every rank with the same message naming the batches."""
     bad = [describe_batch(b, source) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
     everywhere = [b for rank_bad in all_gather_objects(bad) for b in rank_bad]
@@ -392,8 +477,15 @@ def handle_nonfinite(batches: list[FeatureBatch], losses: list[torch.Tensor], cf
 
 
 @torch.no_grad()
-def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, list[int]]], cfg: TrainConfig,
-             me: Rank, block_size: int, per_batch: int | None) -> dict:
+def evaluate(
+    runner: DrafterRunner,
+    source: Source,
+    held_out: list[tuple[int, list[int]]],
+    cfg: TrainConfig,
+    me: Rank,
+    block_size: int,
+    per_batch: int | None,
+) -> dict:
     stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
     with source.batches([b for _, b in held_out], me.device) as loader:
         for (index, _), batch in zip(held_out, loader):
@@ -401,28 +493,52 @@ def evaluate(runner: DrafterRunner, source: Source, held_out: list[tuple[int, li
             anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
             try:
                 with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss,
-                                 dpace_alpha=cfg.dpace_alpha)
+                    out = runner(
+                        batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss, dpace_alpha=cfg.dpace_alpha
+                    )
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not is_out_of_memory(e):
                     raise
-                raise DFlashCacheError(out_of_memory(me.device, f"evaluating {describe_batch(batch, source)}",
-                                                     cfg.token_budget, cfg.max_anchors)) from None
-            stats += torch.stack([out.loss.double(), (out.tau * out.num_blocks).double(), out.num_blocks.double(),
-                                  out.correct[0].double(), out.total[0].double(),
-                                  torch.tensor(1.0, device=me.device, dtype=torch.float64)])
+                raise DFlashCacheError(
+                    out_of_memory(
+                        me.device, f"evaluating {describe_batch(batch, source)}", cfg.token_budget, cfg.max_anchors
+                    )
+                ) from None
+            stats += torch.stack(
+                [
+                    out.loss.double(),
+                    (out.tau * out.num_blocks).double(),
+                    out.num_blocks.double(),
+                    out.correct[0].double(),
+                    out.total[0].double(),
+                    torch.tensor(1.0, device=me.device, dtype=torch.float64),
+                ]
+            )
     loss, tau_blocks, blocks, hits, counted, batches = all_reduce_sum(stats).tolist()
-    return {"eval_loss": loss / max(batches, 1), "eval_tau": tau_blocks / max(blocks, 1),
-            "eval_acc_1": hits / max(counted, 1), "eval_batches": int(batches)}
+    return {
+        "eval_loss": loss / max(batches, 1),
+        "eval_tau": tau_blocks / max(blocks, 1),
+        "eval_acc_1": hits / max(counted, 1),
+        "eval_batches": int(batches),
+    }
 
 
-def step_record(stats: list[float], grad_norm: float, lr: float, seconds: float, position: dict, me: Rank,
-                grad_accum: int) -> dict:
+def step_record(
+    stats: list[float], grad_norm: float, lr: float, seconds: float, position: dict, me: Rank, grad_accum: int
+) -> dict:
     loss, tau_blocks, blocks, hits, counted, tokens = stats
     record = {
-        "step": position["step"], "epoch": position["epoch"], "loss": loss / (me.world * grad_accum),
-        "tau": tau_blocks / max(blocks, 1), "acc_1": hits / max(counted, 1), "grad_norm": grad_norm, "lr": lr,
-        "tokens": int(tokens), "blocks": int(blocks), "tokens_per_s": tokens / max(seconds, 1e-9), "step_time_s": seconds,
+        "step": position["step"],
+        "epoch": position["epoch"],
+        "loss": loss / (me.world * grad_accum),
+        "tau": tau_blocks / max(blocks, 1),
+        "acc_1": hits / max(counted, 1),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": int(tokens),
+        "blocks": int(blocks),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "step_time_s": seconds,
         "skipped": position["skipped"],
     }
     if me.device.type == "cuda":
