@@ -280,8 +280,8 @@ def front_end(work: Path, samples: int, world: int) -> dict:
 
 
 def first_step(work: Path, shards: int) -> dict:
-    from tests.cachegen import random_spec, write_one_row_shards
-    from tests.test_train_helpers import HIDDEN, LAYERS, VOCAB, drafter_json, write_head
+    from tests.support.cachegen import random_spec, write_one_row_shards
+    from tests.support.train import HIDDEN, LAYERS, VOCAB, drafter_json, write_head
 
     cache = work / "shards-cache"
     started = time.perf_counter()

@@ -88,7 +88,7 @@ def main() -> None:
     if args.pool_start:
         print(json.dumps(pool_start(args.pool_start[0], args.target, Path(args.pool_start[1]))))
         return
-    from tests.tiny import write_conversations
+    from tests.support.tiny import write_conversations
 
     with tempfile.TemporaryDirectory() as work:
         data = write_conversations(Path(work) / "data.jsonl", count=args.records, seed=1)

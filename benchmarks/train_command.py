@@ -50,7 +50,7 @@ from dflash_cache.stream.loader import Loader
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.model import build_drafter, check_head, drafter_config_for
 from dflash_cache.train.optim import build_optimizer
-from tests.test_train_helpers import write_head
+from tests.support.train import write_head
 
 SEED, LR, WEIGHT_DECAY = 0, 6e-4, 0.01  # train's defaults
 

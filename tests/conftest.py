@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import build_target, build_tokenizer, write_conversations
+from tests.support.tiny import build_target, build_tokenizer, write_conversations
 
 # Tokenized data goes to a folder of this session (subprocesses inherit it), not the user's cache.
 os.environ["DFLASH_CACHE_TOKENIZED_DIR"] = tempfile.mkdtemp(prefix="dflash-cache-tokenized-")
