@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.fulldisk import can_mount_tmpfs
 from tests.support.tiny import build_target, build_tokenizer, write_conversations
+
+# The fixtures of tests/support, for every test module.
+pytest_plugins = ["tests.support.chatservers", "tests.support.extract", "tests.support.s3server"]
 
 # Tokenized data goes to a folder of this session (subprocesses inherit it), not the user's cache.
 os.environ["DFLASH_CACHE_TOKENIZED_DIR"] = tempfile.mkdtemp(prefix="dflash-cache-tokenized-")
@@ -78,3 +82,11 @@ def qwen3_target_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def conversations(tmp_path_factory):
     return write_conversations(tmp_path_factory.mktemp("data") / "conversations.jsonl")
+
+
+@pytest.fixture(scope="session")
+def small_tmpfs():
+    """For a test that mounts a small tmpfs in a user namespace (tests/support/fulldisk.py): skipped where
+    unprivileged user namespaces are not available."""
+    if not can_mount_tmpfs():
+        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")

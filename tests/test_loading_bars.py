@@ -6,7 +6,7 @@ from transformers.utils import logging as hf_logging
 
 from dflash_cache.extract.target import load_target
 from dflash_cache_cli.main import main
-from tests.eval.test_eval import random_drafter
+from tests.support.drafter import random_drafter
 
 
 def test_extract_and_eval_show_no_weight_loading_bar(qwen3_target_dir, conversations, tmp_path):

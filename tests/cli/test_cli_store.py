@@ -1,22 +1,15 @@
 import json
 
-from click.testing import CliRunner
-
-from dflash_cache_cli.main import main
 from tests.support.cachegen import write_random_cache
-
-
-def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stdout if result.exit_code == 0 else result.stderr
+from tests.support.cli import cli
 
 
 def test_inspect_and_verify_a_good_cache(tmp_path):
     write_random_cache(tmp_path, [5, 70, 130, 200, 9, 64], rows_per_shard=2)
-    code, out = run("inspect", tmp_path, "--token-budget", 256)
+    code, out = cli("inspect", tmp_path, "--token-budget", 256)
     assert code == 0
     assert "samples:      6" in out and "Batches per epoch:" in out and "Bucket" in out and "compression:" in out
-    code, out = run("verify", tmp_path)
+    code, out = cli("verify", tmp_path)
     assert code == 0 and out.startswith("ok: 3 shards, 6 samples, 478 tokens")
 
 
@@ -26,16 +19,16 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    code, out = run("verify", tmp_path)
+    code, out = cli("verify", tmp_path)
     assert code == 1 and "r0-00001.arrow" in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
-    code, out = run("inspect", tmp_path)
+    code, out = cli("inspect", tmp_path)
     assert code == 1 and "manifest.json" in out and "newer" in out and len(out.strip().splitlines()) == 1
 
-    code, out = run("verify", tmp_path / "missing")
+    code, out = cli("verify", tmp_path / "missing")
     assert code == 1 and "no such cache" in out
 
 
@@ -50,7 +43,7 @@ def test_a_folder_that_is_no_cache_is_not_called_incomplete(tmp_path):
         ["verify", run_dir],
         ["train", "--cache", run_dir, "--out", tmp_path / "new", "--steps", 1],
     ):
-        code, out = run(*command)
+        code, out = cli(*command)
         assert code == 1 and out.count("\n") == 1, out
         assert (
             f"error: {run_dir} is not a cache (it has no manifest.json and no journal/); give a folder that "
@@ -59,7 +52,7 @@ def test_a_folder_that_is_no_cache_is_not_called_incomplete(tmp_path):
     assert not (tmp_path / "new").exists()
     write_random_cache(tmp_path / "cut", [5, 9])
     (tmp_path / "cut" / "manifest.json").unlink()  # journals but no manifest: an extraction to finish
-    code, out = run("verify", tmp_path / "cut")
+    code, out = cli("verify", tmp_path / "cut")
     assert code == 1 and "manifest.json: missing; the cache is incomplete (rerun the same extract command" in out, out
 
 
@@ -72,6 +65,6 @@ def test_a_cut_shard_is_named_as_cut_by_every_reader(tmp_path):
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
     for command in (["inspect", tmp_path, "--sample", 0], ["verify", tmp_path]):
-        code, out = run(*command)
+        code, out = cli(*command)
         assert code == 1 and out.count("\n") == 1, out
         assert f"{shard}: {size // 2} bytes, the manifest says {size} (truncated or replaced)" in out, out

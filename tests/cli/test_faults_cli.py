@@ -12,7 +12,8 @@ from transformers import T5Config
 
 from dflash_cache import DFlashCacheError
 from dflash_cache_cli.main import main
-from tests.extract.test_extract import run_extract
+from tests.support.cli import cli, one_line_error
+from tests.support.extract import run_extract
 from tests.support.tiny import build_target, write_conversations
 from tests.support.train import drafter_json, make_cache
 
@@ -25,17 +26,6 @@ def setup(tmp_path_factory):
     cache = root / "cache"
     run_extract(target, data, cache)
     return root, target, data, cache
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stderr
-
-
-def one_line_error(code, err, *needles, exit_code=1):
-    assert code == exit_code and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
 
 
 @pytest.mark.parametrize(

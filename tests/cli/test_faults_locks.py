@@ -11,7 +11,8 @@ import time
 import pytest
 
 from dflash_cache import DFlashCacheError
-from tests.extract.test_extract import LAYERS, cli, run_extract
+from tests.support.cli import spawn
+from tests.support.extract import LAYERS, run_extract
 from tests.support.tiny import build_target, write_conversations
 
 
@@ -169,7 +170,7 @@ FREEZE = {"DFLASH_CACHE_KILL_AT": "extract.forward:1:STOP"}
 def test_plain_run_then_torchrun_launch_is_refused(setup, tmp_path):
     target, data = setup
     out = tmp_path / "cache"
-    first = cli(*extract_args(target, data, out), env=FREEZE, start_new_session=True)
+    first = spawn(*extract_args(target, data, out), env=FREEZE, start_new_session=True)
     try:
         wait_until_frozen(first, 0)
         before = snapshot(out)
@@ -190,7 +191,7 @@ def test_torchrun_launch_then_another_world_size_or_a_plain_run_is_refused(setup
         wait_until_frozen(first, 2)
         before = snapshot(out)
         assert_refused(torchrun(1, extract_args(target, data, out)), out, "torchrun launch (world 2,")
-        assert_refused(cli(*extract_args(target, data, out)), out, "torchrun launch (world 2,")
+        assert_refused(spawn(*extract_args(target, data, out)), out, "torchrun launch (world 2,")
         assert snapshot(out) == before
     finally:
         stop(first)

@@ -6,6 +6,7 @@ from click.testing import CliRunner
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache_cli.main import main
+from tests.support.cli import invoke
 from tests.support.tiny import build_target, write_conversations
 from tests.support.train import drafter_json
 
@@ -51,7 +52,7 @@ def test_credentials_in_a_url_are_refused_without_showing_them(setup, tmp_path):
         ["train", "--cache", URL, "--out", tmp_path / "run", "--drafter", drafter],
     ]
     for command in commands:
-        result = CliRunner().invoke(main, [str(a) for a in command])
+        result = invoke(*command)
         err = result.stderr
         assert result.exit_code == 1 and err.count("\n") == 1, err
         assert err.startswith("error: s3://***@bucket/cache: credentials in the URL are not accepted"), err

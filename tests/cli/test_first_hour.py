@@ -11,11 +11,10 @@ import stat
 import warnings
 
 import pytest
-from click.testing import CliRunner
 
 from dflash_cache import open_cache
 from dflash_cache.demo import ASSETS
-from dflash_cache_cli.main import main
+from tests.support.cli import invoke
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def mixed_conversations(path, count: int):
 
 
 def run(*args) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
+    result = invoke(*args)
     assert result.exit_code == 0, result.output
     return result.output
 

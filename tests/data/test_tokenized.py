@@ -17,6 +17,7 @@ from dflash_cache.data.readers import read_records
 from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.errors import DFlashCacheError
 from tests.support.tiny import load_all, write_conversations
+from tests.support.tokenized import rewrite_ids
 
 TOKENIZER_HASH = "t" * 64
 
@@ -124,25 +125,6 @@ def test_bad_record_fails_naming_it_and_leaves_nothing(tmp_path, tokenizer):
     with pytest.raises(DFlashCacheError, match=r"bad.jsonl:2: not valid JSON"):
         tokenized_data([bad], tokenizer, 64, TOKENIZER_HASH, tmp_path / "tok", workers=0)
     assert not list((tmp_path / "tok").glob("*.arrow*"))
-
-
-def rewrite_ids(path, change):
-    """The Arrow file at `path` with each sample's token ids replaced by `change(sample_id, ids)`;
-    schema, record batches and row count kept."""
-    reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, reader.schema) as writer:
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            ids = [
-                change(sid, np.array(row, dtype=np.int32)).tolist()
-                for sid, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
-            ]
-            writer.write_batch(
-                pa.RecordBatch.from_arrays(
-                    [batch.column(0), pa.array(ids, pa.list_(pa.int32())), batch.column(2), batch.column(3)],
-                    schema=reader.schema,
-                )
-            )
 
 
 def test_a_kept_file_changed_since_it_was_written_is_tokenized_again_and_said_so(files, tokenizer, tmp_path):

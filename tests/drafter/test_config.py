@@ -5,7 +5,7 @@ import pytest
 from dflash_cache.drafter.config import PRESETS, DrafterConfig, adapt_to_cache, load_drafter_config
 from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.errors import DFlashCacheError
-from tests.support.drafter import tiny_config
+from tests.support.drafter import tiny_drafter_config
 
 
 def test_presets_match_the_issue():
@@ -49,9 +49,9 @@ def test_a_preset_adapts_to_the_cache_and_says_so():
 
 def test_a_json_config_adapts_only_vocab_and_mask_token(tmp_path):
     path = tmp_path / "drafter.json"
-    path.write_text(json.dumps(tiny_config().to_dict() | {"preset": None}))
+    path.write_text(json.dumps(tiny_drafter_config().to_dict() | {"preset": None}))
     config = load_drafter_config(path)
-    assert config == tiny_config()
+    assert config == tiny_drafter_config()
     adapted, notes = adapt_to_cache(config, 32, 99, 7, [0, 2], 4)
     assert (adapted.vocab_size, adapted.mask_token_id) == (99, 7) and len(notes) == 2
     with pytest.raises(DFlashCacheError, match="target layers"):
@@ -62,8 +62,8 @@ def test_a_json_config_adapts_only_vocab_and_mask_token(tmp_path):
 
 def test_a_reference_config_json_loads(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(config_to_reference(tiny_config(), "bfloat16")))
-    assert load_drafter_config(path) == tiny_config()
+    path.write_text(json.dumps(config_to_reference(tiny_drafter_config(), "bfloat16")))
+    assert load_drafter_config(path) == tiny_drafter_config()
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_a_reference_config_json_loads(tmp_path):
 )
 def test_invalid_configs_are_user_errors(change, message):
     with pytest.raises(DFlashCacheError, match=message):
-        tiny_config(**change)
+        tiny_drafter_config(**change)
 
 
 def test_bad_names_and_fields(tmp_path):
@@ -88,7 +88,7 @@ def test_bad_names_and_fields(tmp_path):
     with pytest.raises(DFlashCacheError, match="nope.json does not exist"):
         load_drafter_config(tmp_path / "nope.json")
     path = tmp_path / "d.json"
-    path.write_text(json.dumps(tiny_config().to_dict() | {"hiden_size": 3}))
+    path.write_text(json.dumps(tiny_drafter_config().to_dict() | {"hiden_size": 3}))
     with pytest.raises(DFlashCacheError, match="hiden_size"):
         load_drafter_config(path)
     with pytest.raises(DFlashCacheError, match="incomplete"):

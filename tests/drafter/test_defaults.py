@@ -27,7 +27,7 @@ from dflash_cache.train.budget import (
 from dflash_cache.train.checkpoint import complete_checkpoints, latest_checkpoint
 from dflash_cache.train.train import echo_padding, train
 from tests.support.tiny import build_target
-from tests.support.train import make_cache, tiny_config
+from tests.support.train import make_cache, tiny_train_config
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_train_refuses_before_the_first_step(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(budget, "available_bytes", lambda device: (1000, "of RAM available"))
     monkeypatch.setattr("dflash_cache.train.train.available_bytes", lambda device: (1000, "of RAM available"))
     with pytest.raises(DFlashCacheError, match="there is 0.0 MB of RAM available; lower --token-budget"):
-        train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
+        train(tiny_train_config(tmp_path, cache, steps=2), echo=lambda s: None)
     assert latest_checkpoint(tmp_path / "run") is None
     assert (
         not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -248,7 +248,7 @@ def test_a_gpu_given_no_cap_takes_the_most_blocks_that_fit(tmp_path, cache, monk
     batches = [[40, 23], [57, 31, 9]]
     whole = estimate_step_memory(config, budget.head_bytes(config), batches, 64, "cuda", True).total
     gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    cfg = tiny_config(tmp_path, cache, max_anchors=64)
+    cfg = tiny_train_config(tmp_path, cache, max_anchors=64)
     # the cap is a multiple of 64: 88 blocks do not fit, 64 do
     for total, expected in [(int(whole / GPU_SHARE) + 1, None), (int(whole / GPU_SHARE) - 1, 64)]:
         monkeypatch.setattr(
@@ -258,7 +258,7 @@ def test_a_gpu_given_no_cap_takes_the_most_blocks_that_fit(tmp_path, cache, monk
         assert anchors_per_batch(cfg, config, batches, gpu, lines.append) == expected
         assert len(lines) == (expected is not None)
     assert "each batch trains on at most 64 blocks" in lines[0], lines
-    assert anchors_per_batch(tiny_config(tmp_path, cache, anchors_per_batch=7), config, batches, gpu, print) == 7
+    assert anchors_per_batch(tiny_train_config(tmp_path, cache, anchors_per_batch=7), config, batches, gpu, print) == 7
 
 
 def test_the_compiled_drafter_says_how_much_is_padding():
@@ -275,7 +275,7 @@ def test_the_compiled_drafter_says_how_much_is_padding():
 
 def test_anchors_per_batch_caps_every_step(tmp_path, cache):
     lines = []
-    train(tiny_config(tmp_path, cache, steps=3, anchors_per_batch=2), echo=lines.append)
+    train(tiny_train_config(tmp_path, cache, steps=3, anchors_per_batch=2), echo=lines.append)
     blocks = [
         json.loads(line)["blocks"]
         for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -287,17 +287,17 @@ def test_anchors_per_batch_caps_every_step(tmp_path, cache):
 
 def test_device_defaults_fill_only_what_is_not_given(tmp_path, cache):
     lines = []
-    train(tiny_config(tmp_path, cache, steps=1, token_budget=None, max_anchors=None), echo=lines.append)
+    train(tiny_train_config(tmp_path, cache, steps=1, token_budget=None, max_anchors=None), echo=lines.append)
     assert any("steps of 2,048 tokens per batch, at most 8 blocks per sequence" in line for line in lines), lines
     assert any(line.startswith("memory: about ") and "of RAM available" in line for line in lines), lines
     assert any(line.startswith("drafter (a JSON file): 2 layers") for line in lines), lines
 
 
 def test_keep_last_keeps_the_newest_checkpoints(tmp_path, cache):
-    train(tiny_config(tmp_path, cache, steps=5, save_every=1, keep_last=2), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, steps=5, save_every=1, keep_last=2), echo=lambda s: None)
     assert [step for step, _ in complete_checkpoints(tmp_path / "run")] == [4, 5]
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
-    train(tiny_config(tmp_path, cache, out="all", steps=3, save_every=1), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, out="all", steps=3, save_every=1), echo=lambda s: None)
     assert [step for step, _ in complete_checkpoints(tmp_path / "all")] == [1, 2, 3]
 
 

@@ -10,7 +10,13 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from tests.support.drafter import assert_same_gradients, counting_backend, random_batch, random_head, tiny_config
+from tests.support.drafter import (
+    assert_same_gradients,
+    counting_backend,
+    random_batch,
+    random_head,
+    tiny_drafter_config,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +27,7 @@ def gpu_drafter(head_dim=32, **kwargs):
     """Head size 32: Inductor's flex-attention refuses head sizes under 16 (torch 2.11), and at 16 a
     dynamic-shape kernel found no configuration."""
     torch.manual_seed(0)
-    config = tiny_config(hidden_size=64, head_dim=head_dim, sliding_window=100, **kwargs)
+    config = tiny_drafter_config(hidden_size=64, head_dim=head_dim, sliding_window=100, **kwargs)
     return DFlashDrafter(config, random_head(0, hidden=64)).cuda()
 
 
@@ -226,7 +232,7 @@ def test_train_builds_the_drafter_on_the_gpu_from_its_seed():
     and the caller's CUDA random state is left as it was."""
     from dflash_cache.train.model import build_drafter
 
-    config = tiny_config(hidden_size=64, head_dim=32)
+    config = tiny_drafter_config(hidden_size=64, head_dim=32)
     head = random_head(0, hidden=64).to("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     state = torch.cuda.get_rng_state()

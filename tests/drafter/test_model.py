@@ -9,14 +9,14 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from tests.support.drafter import counting_backend, random_batch, random_head, tiny_config
+from tests.support.drafter import counting_backend, random_batch, random_head, tiny_drafter_config
 
 LENGTHS = [23, 5, 40, 9]
 
 
 def make_drafter(seed=0, **overrides):
     torch.manual_seed(seed)
-    return DFlashDrafter(tiny_config(**overrides), random_head(seed), tile=16)
+    return DFlashDrafter(tiny_drafter_config(**overrides), random_head(seed), tile=16)
 
 
 def inputs_for(lengths, seed=0, max_anchors=4):
@@ -166,7 +166,7 @@ def test_to_moves_the_head_and_a_missing_head_is_an_error():
     assert model.head.lm_head.dtype == torch.float64 and model.fc.weight.dtype == torch.float64
     _, _, inputs = inputs_for(LENGTHS)
     with pytest.raises(DFlashCacheError, match="head"):
-        DFlashDrafter(tiny_config()).block_states(inputs)
+        DFlashDrafter(tiny_drafter_config()).block_states(inputs)
 
 
 def test_a_batch_without_anchors_gives_zero_loss_and_zero_gradients():

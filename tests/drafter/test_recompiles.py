@@ -12,7 +12,7 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from tests.support.drafter import random_batch, random_head, tiny_config
+from tests.support.drafter import random_batch, random_head, tiny_drafter_config
 
 TOKENS, ANCHORS, WARMUP, STEPS = 160, 12, 3, 30
 
@@ -50,7 +50,7 @@ def train_steps(compiled: bool, plans: list[list[int]]) -> list[CompileCounts]:
     """What compiled during each training step (autocast, forward, backward, clipping, AdamW)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = DFlashDrafter(tiny_config(), random_head(0), tile=16)
+    model = DFlashDrafter(tiny_drafter_config(), random_head(0), tile=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     runner = DrafterRunner(model, compiled=compiled, token_budget=TOKENS, anchor_budget=ANCHORS, backend="aot_eager")
     per_step = []

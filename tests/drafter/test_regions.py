@@ -15,12 +15,18 @@ from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_pl
 from dflash_cache.drafter.head_loss import chunk_sizes, chunk_terms, head_cross_entropy
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
-from tests.support.drafter import assert_same_gradients, counting_backend, random_batch, random_head, tiny_config
+from tests.support.drafter import (
+    assert_same_gradients,
+    counting_backend,
+    random_batch,
+    random_head,
+    tiny_drafter_config,
+)
 
 
 def drafters():
     torch.manual_seed(0)
-    plain = DFlashDrafter(tiny_config(), random_head(0), tile=16, attention="dense")
+    plain = DFlashDrafter(tiny_drafter_config(), random_head(0), tile=16, attention="dense")
     regional = copy.deepcopy(plain)
     return plain, regional
 

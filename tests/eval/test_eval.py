@@ -7,10 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash_cache.drafter.checkpoint import save_drafter
-from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.export import export_checkpoint
-from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.eval import (
     OfflineOptions,
@@ -27,33 +24,11 @@ from dflash_cache.extract.target import load_target
 from dflash_cache.train.checkpoint import COMPLETE
 from dflash_cache.train.train import train
 from dflash_cache_cli.main import main
-from tests.support.train import make_cache, metrics, tiny_config
+from tests.support.drafter import RANDOM_DRAFTER_BLOCK, random_drafter
+from tests.support.extract import LAYERS
+from tests.support.train import make_cache, metrics, tiny_train_config
 
-LAYERS = [1, 4]
-BLOCK = 6
-
-
-def random_drafter(directory, target_dir, seed=0):
-    """An untrained drafter for the tiny targets: its drafts are almost never accepted."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = DrafterConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=len(tokenizer),
-        block_size=BLOCK,
-        target_layer_ids=LAYERS,
-        mask_token_id=tokenizer.mask_token_id,
-        num_target_layers=6,
-    )
-    torch.manual_seed(seed)
-    save_drafter(DFlashDrafter(config), directory)
-    return directory
+BLOCK = RANDOM_DRAFTER_BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +186,7 @@ def test_drafter_folders_checkpoint_run_and_export(qwen3_target_dir, tmp_path):
 
 def test_offline_tau_equals_the_trainers_held_out_tau(tmp_path):
     cache = make_cache(tmp_path / "cache")
-    train(tiny_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1), echo=lambda line: None)
+    train(tiny_train_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1), echo=lambda line: None)
     logged = [r for r in metrics(tmp_path / "run") if "eval_tau" in r][-1]
     report = evaluate_offline(
         OfflineOptions(drafter=tmp_path / "run", caches=[cache], eval_fraction=0.3, token_budget=128, max_anchors=8)
@@ -232,7 +207,10 @@ def test_offline_loss_is_the_runs_own_loss(tmp_path, loss):
     """A run trained with another --loss is evaluated with it, as its held-out evaluation was; a topk
     drafter's loss needs a cache with top-K labels."""
     cache = make_cache(tmp_path / "cache", topk=3)
-    train(tiny_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1, loss=loss), echo=lambda line: None)
+    train(
+        tiny_train_config(tmp_path, cache, steps=1, eval_fraction=0.3, eval_every=1, loss=loss),
+        echo=lambda line: None,
+    )
     logged = [r for r in metrics(tmp_path / "run") if "eval_loss" in r][-1]
     report = evaluate_offline(OfflineOptions(drafter=tmp_path / "run", caches=[cache]))
     assert report.loss == pytest.approx(logged["eval_loss"], rel=1e-6)

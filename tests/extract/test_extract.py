@@ -1,9 +1,5 @@
 import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,17 +9,9 @@ from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.tokenize import tokenize_conversation
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.store.verify import verify_cache
+from tests.support.cli import spawn
+from tests.support.extract import LAYERS, assert_same_cache, extract_args, extract_killed_at, run_extract
 from tests.support.tiny import write_conversations
-
-LAYERS = [1, 4]
-
-
-def run_extract(target, data, out, **kw):
-    opts = ExtractOptions(
-        target=target, data=[data], out=out, layers=LAYERS, token_budget=kw.pop("token_budget", 300), **kw
-    )
-    return extract(opts)
 
 
 def test_cache_matches_hf_reference(target_dir, conversations, tmp_path):
@@ -87,72 +75,6 @@ def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_
         holder.release()
 
 
-def cli(*args, env=None, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "dflash_cache_cli.main", *map(str, args)],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
-def extract_args(target, data, out):
-    return [
-        "extract",
-        "--target",
-        target,
-        "--data",
-        data,
-        "--out",
-        out,
-        "--layers",
-        ",".join(map(str, LAYERS)),
-        "--token-budget",
-        300,
-        "--shard-size",
-        0.02,
-    ]
-
-
-def extract_killed_at(target, data, out, kill_at: str) -> None:
-    """The CLI run killed by SIGKILL at the fault point `kill_at` (DFLASH_CACHE_KILL_AT)."""
-    proc = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": kill_at})
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
-
-
-def assert_same_cache(a: Path, b: Path):
-    """Bit for bit: a sample is computed in the same batch, in the same shape, whichever run computes
-    it. That holds across processes only while they run the same CPU kernels (docs/FAULTS.md, "Not
-    covered"); a failure says how far apart the samples are, to tell kernel rounding from a bug."""
-    ca, cb = open_cache(a), open_cache(b)
-    assert sorted(ca) == sorted(cb)
-    for sid in ca:
-        x, y = ca[sid], cb[sid]
-        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
-        same = torch.equal(x.target_ids, y.target_ids) and torch.equal(
-            x.hidden.view(torch.int16), y.hidden.view(torch.int16)
-        )
-        assert same, describe_difference(sid, x, y)
-    verify_cache(cb)
-
-
-def describe_difference(sid: int, x, y) -> str:
-    """Where two versions of one sample differ: the argmax positions and how many hidden values, how far."""
-    flips = (x.target_ids != y.target_ids).nonzero().flatten().tolist()
-    differ = x.hidden.view(torch.int16) != y.hidden.view(torch.int16)
-    tokens = differ.any(-1).nonzero().flatten().tolist()
-    gap = float((x.hidden.float() - y.hidden.float()).abs().max())
-    return (
-        f"sample {sid} ({len(x.input_ids)} tokens): target_ids differ at {flips[:8]} "
-        f"({[(int(x.target_ids[i]), int(y.target_ids[i])) for i in flips[:3]]}); {int(differ.sum())} of "
-        f"{differ.numel()} hidden values differ, from token {tokens[:1]}, by up to {gap:.3g} "
-        f"(values up to {float(x.hidden.float().abs().max()):.3g})"
-    )
-
-
 @pytest.fixture(scope="module")
 def crash_setup(tmp_path_factory):
     from tests.support.tiny import build_target
@@ -186,7 +108,7 @@ def test_resume_with_another_process_count(crash_setup, tmp_path):
     done_before = sum(1 for p in (out / "shards").iterdir())
     assert done_before >= 3
     ranks = [
-        cli(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
+        spawn(*extract_args(target, data, out), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
         for r in range(2)
     ]
     for p in ranks:

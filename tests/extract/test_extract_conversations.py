@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from dflash_cache import open_cache
-from dflash_cache_cli.main import main
-from tests.data.test_chat_templates import FAMILIES, family_tokenizer
+from tests.support.cli import invoke
+from tests.support.templates import FAMILIES, family_tokenizer
 from tests.support.tiny import target_config
 
 pytestmark = pytest.mark.slow
@@ -60,11 +59,6 @@ def qwen3_5_target(tmp_path_factory):
     return directory
 
 
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stdout, result.stderr
-
-
 def write(path, records):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
@@ -77,11 +71,14 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
     )
     out = tmp_path / "cache"
     args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
-    code, _, err = cli(*args, "--out", out)
+    result = invoke(*args, "--out", out)
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 1 and "data.jsonl:2: not valid JSON" in err and err.count("\n") == 1
     assert not (out / "manifest.json").exists()
 
-    code, stdout, err = cli(*args, "--out", out, "--on-bad-record", "skip")
+    result = invoke(*args, "--out", out, "--on-bad-record", "skip")
+
+    code, stdout, err = result.exit_code, result.stdout, result.stderr
     assert code == 0, err
     assert "skipped 2 bad records" in err and "2 bad records" in stdout
     cache = open_cache(out)
@@ -102,7 +99,9 @@ def test_reasoning_and_tool_calls_end_to_end(qwen3_5_target, tmp_path):
     assert kinds["markup"] >= 3  # the three end-of-turn tokens at least
     assert report["unfaithful"]["count"] == 0
 
-    code, stdout, _ = cli("inspect", out, "--token-budget", 512)
+    result = invoke("inspect", out, "--token-budget", 512)
+
+    code, stdout, _ = result.exit_code, result.stdout, result.stderr
     assert code == 0
     assert (
         f"masked:       {sum(kinds.values()):,} tokens: content {kinds['content']:,}" in stdout
@@ -132,12 +131,15 @@ def test_chat_template_options_are_part_of_the_spec(qwen3_5_target, tmp_path):
         "--token-budget",
         512,
     ]
-    code, _, err = cli(*args, "--chat-template-kwargs", "[1]")
+    result = invoke(*args, "--chat-template-kwargs", "[1]")
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 2 and "--chat-template-kwargs" in err and "must be a JSON object" in err
-    code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": false}')
+    result = invoke(*args, "--chat-template-kwargs", '{"enable_thinking": false}')
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 0, err
     assert open_cache(out).spec["chat_template_kwargs"] == {"enable_thinking": False}
-    code, _, err = cli(*args, "--chat-template-kwargs", '{"enable_thinking": true}')
+    result = invoke(*args, "--chat-template-kwargs", '{"enable_thinking": true}')
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 1 and "chat_template_kwargs.enable_thinking: False -> True" in err
 
 
@@ -153,7 +155,8 @@ def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
     }
     data = write(tmp_path / "data.jsonl", [past, GOOD[0], past])
     args = ["extract", "--target", qwen3_5_target, "--data", data, "--layers", "1,4", "--token-budget", 512]
-    code, _, err = cli(*args, "--out", tmp_path / "a")
+    result = invoke(*args, "--out", tmp_path / "a")
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 0, err
     assert err.count("warning: the chat template does not render 2 conversations as the data has them") == 1
     assert f"e.g. {data}:1: the prompt of assistant turn 1 is not a prefix of the conversation" in err
@@ -164,5 +167,6 @@ def test_unfaithful_template_warns_once_or_refuses(qwen3_5_target, tmp_path):
             f"{data}:3: the prompt of assistant turn 1 is not a prefix of the conversation",
         ],
     }
-    code, _, err = cli(*args, "--out", tmp_path / "b", "--strict-template")
+    result = invoke(*args, "--out", tmp_path / "b", "--strict-template")
+    code, _, err = result.exit_code, result.stdout, result.stderr
     assert code == 1 and "data.jsonl:1: the chat template does not render this conversation faithfully" in err

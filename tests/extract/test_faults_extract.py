@@ -15,11 +15,11 @@ import torch
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
-from tests.extract.test_extract import assert_same_cache, cli, extract_args, run_extract
-from tests.support.fulldisk import can_mount_tmpfs, fill_at
+from tests.support.cli import invoke, shell_command, spawn, wait_until_stopped
+from tests.support.extract import SHARD_BYTES, assert_same_cache, extract_args, run_extract
+from tests.support.fulldisk import fill_at
 from tests.support.tiny import CORPUS, build_target, write_conversations
 
-SHARD_BYTES = int(0.02 * (1 << 20))  # extract_args' --shard-size
 LONG = 9  # the sample id of the one long conversation
 
 
@@ -47,17 +47,6 @@ def setup(tmp_path_factory):
     return target, data, reference
 
 
-def wait_until_stopped(proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.2)
-    raise TimeoutError("the first extract never reached its stop point")
-
-
 def snapshot(root):
     return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
@@ -66,7 +55,7 @@ def snapshot(root):
 def test_second_process_on_the_same_out_is_refused_naming_the_holder(setup, tmp_path):
     target, data, _ = setup
     out = tmp_path / "cache"
-    first = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "extract.forward:2:STOP"})
+    first = spawn(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "extract.forward:2:STOP"})
     try:
         wait_until_stopped(first)  # frozen mid-extraction, holding the lock
         before = snapshot(out)
@@ -93,9 +82,7 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
     """`inspect`, `verify` and `train` on a cache an extraction is still writing: one line naming the
     running extraction (they advised to "rerun the same extract command", which the lock refuses);
     the extraction, let go on, ends with the same cache as an uninterrupted run."""
-    from click.testing import CliRunner
 
-    from dflash_cache_cli.main import main
     from tests.support.train import drafter_json
 
     target, data, reference = setup
@@ -103,7 +90,7 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
     drafter = drafter_json(
         tmp_path / "d.json", hidden_size=64, vocab_size=384, mask_token_id=383, target_layer_ids=[1, 4]
     )
-    first = cli(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:2:STOP"})
+    first = spawn(*extract_args(target, data, out), env={"DFLASH_CACHE_KILL_AT": "shard.committed:2:STOP"})
     try:
         wait_until_stopped(first)
         before = snapshot(out)
@@ -113,7 +100,7 @@ def test_readers_during_an_extraction_name_it_and_disturb_nothing(setup, tmp_pat
             ["verify", out],
             ["train", "--cache", out, "--out", tmp_path / "run", "--drafter", drafter, "--steps", 1],
         ):
-            result = CliRunner().invoke(main, [str(a) for a in args])
+            result = invoke(*args)
             assert result.exit_code == 1 and result.stderr.count("\n") == 1 and running in result.stderr, result.stderr
         assert snapshot(out) == before and not (tmp_path / "run").exists()
         first.send_signal(signal.SIGCONT)
@@ -169,17 +156,14 @@ def test_file_size_limit_during_a_shard_write(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("small_tmpfs")
 def test_full_disk_during_a_shard_write(setup, tmp_path):
     """A real full disk: a 540 KiB tmpfs (in a user namespace, no privileges needed) fills up while
     shards are written; after it is grown, the same command completes the cache."""
-    if not can_mount_tmpfs():
-        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
     target, data, reference = setup
     disk, saved = tmp_path / "disk", tmp_path / "saved"
     disk.mkdir()
-    command = " ".join(
-        f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, disk / "cache")]
-    )
+    command = shell_command(*extract_args(target, data, disk / "cache"))
     script = f"""
         mount -t tmpfs -o size=540k tmpfs '{disk}' || exit 99
         {command} 2> '{tmp_path}/first.err'; echo $? > '{tmp_path}/first.rc'
@@ -196,10 +180,9 @@ def test_full_disk_during_a_shard_write(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("small_tmpfs")
 def test_full_disk_while_the_manifest_is_written(setup, tmp_path):
     """It was a bare `OSError: [Errno 28]` naming no file, and left `manifest.json.tmp`."""
-    if not can_mount_tmpfs():
-        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
     target, data, reference = setup
     disk = tmp_path / "disk"
     command = extract_args(target, data, disk / "cache")

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_cache import DFlashCacheError
 from dflash_cache.store.manifest import read_manifest
-from tests.extract.test_extract import run_extract
+from tests.support.extract import run_extract
 from tests.support.tiny import build_target, write_conversations
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from tests.data.test_tokenized import rewrite_ids
-from tests.extract.test_extract import LAYERS, assert_same_cache, extract_args, run_extract
+from tests.support.extract import LAYERS, assert_same_cache, extract_args, run_extract
 from tests.support.tiny import build_target, write_conversations
+from tests.support.tokenized import rewrite_ids
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from dflash_cache.extract.packing import PackedLayout, plan_rows
 from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION, packed_kernels
+from tests.support.tiny import PACKED_LENGTHS, random_samples
 
 
 def lognormal_lengths(n: int, seed: int = 0, longest: int = 8192) -> list[int]:
@@ -64,18 +65,6 @@ def test_a_million_samples_run_on_a_bounded_number_of_shapes():
             assert positions < 1.001 * sum(lengths)
 
 
-def random_samples(lengths, vocab_size, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        Sample(i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
-        for i, n in enumerate(lengths)
-    ]
-
-
-# Crosses the 64-token chunk of the linear-attention kernel, and ends on a partial row.
-LENGTHS = [70, 5, 33, 130, 64]
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_packed_row_equals_each_sample_alone(target_dir, device):
     if device == "cpu" and "qwen3_5" in str(target_dir) and importlib.util.find_spec("fla") is not None:
@@ -84,7 +73,7 @@ def test_packed_row_equals_each_sample_alone(target_dir, device):
         )
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     target = load_target(target_dir, device, dtype, attention=ATTENTION)
-    samples = random_samples(LENGTHS, target.vocab_size)
+    samples = random_samples(PACKED_LENGTHS, target.vocab_size)
     layout = PackedLayout(400)
     fb = layout.build(samples, device)
     assert fb.shape == (1, 400) and fb.starts.tolist() == [0, 70, 75, 108, 238]
@@ -107,7 +96,7 @@ def test_packed_row_equals_each_sample_alone(target_dir, device):
         logits = alone.logits[0].float()
         gap = logits.amax(-1) - logits.gather(1, out.target_ids[0, start : start + n, None])[:, 0]
         assert (gap <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().amax(-1)).all()
-    assert (out.target_ids[0, sum(LENGTHS) :] == -1).all()  # the padding tail is not labelled
+    assert (out.target_ids[0, sum(PACKED_LENGTHS) :] == -1).all()  # the padding tail is not labelled
 
 
 def test_boundaries_are_what_keeps_samples_apart(target_dir):
@@ -117,14 +106,16 @@ def test_boundaries_are_what_keeps_samples_apart(target_dir):
     own handling of packed qwen3_5 rows outside `packed_kernels`: releases differ there (some mix the
     samples, some keep them apart, newer ones refuse without flash-linear-attention)."""
     target = load_target(target_dir, "cpu", torch.float32, attention=ATTENTION)
-    samples = random_samples(LENGTHS, target.vocab_size)
+    samples = random_samples(PACKED_LENGTHS, target.vocab_size)
     fb = PackedLayout(400).build(samples, "cpu")
     merged = fb.forward_kwargs()
-    keep = [i for i, b in enumerate(fb.cu_seqlens_cpu.tolist()) if b != LENGTHS[0]]
-    merged["position_ids"] = torch.cat([torch.arange(sum(LENGTHS[:2])), fb.position_ids[0, sum(LENGTHS[:2]) :]])[None]
+    keep = [i for i, b in enumerate(fb.cu_seqlens_cpu.tolist()) if b != PACKED_LENGTHS[0]]
+    merged["position_ids"] = torch.cat(
+        [torch.arange(sum(PACKED_LENGTHS[:2])), fb.position_ids[0, sum(PACKED_LENGTHS[:2]) :]]
+    )[None]
     merged["cu_seq_lens_q"] = merged["cu_seq_lens_k"] = fb.cu_seqlens[keep]
     merged["cu_seq_lens_cpu"] = fb.cu_seqlens_cpu[keep]
-    merged["max_length_q"] = merged["max_length_k"] = max(fb.max_seqlen, sum(LENGTHS[:2]))
+    merged["max_length_q"] = merged["max_length_k"] = max(fb.max_seqlen, sum(PACKED_LENGTHS[:2]))
     with torch.inference_mode():
         with packed_kernels(target.model):
             packed = target.base(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs()).last_hidden_state

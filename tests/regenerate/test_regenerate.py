@@ -23,7 +23,7 @@ from dflash_cache.regenerate.run import RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import GenerationSettings
 from dflash_cache.train.distributed import free_port
 from dflash_cache_cli.main import main
-from tests.support.chatservers import TARGET, ScriptedServer, read_jsonl, transformers_serve, write_jsonl  # noqa: F401
+from tests.support.chatservers import TARGET, ScriptedServer, read_jsonl, write_jsonl
 
 FAST = RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.02)
 BUNDLED = TARGET.parent / "data" / "train.jsonl"

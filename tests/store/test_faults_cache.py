@@ -10,8 +10,8 @@ import pytest
 
 from dflash_cache import open_cache
 from dflash_cache.store.manifest import manifest_checksum
-from tests.cli.test_faults_cli import cli, one_line_error
-from tests.extract.test_extract import run_extract
+from tests.support.cli import cli, one_line_error
+from tests.support.extract import run_extract
 from tests.support.tiny import build_target, write_conversations
 from tests.support.train import drafter_json
 

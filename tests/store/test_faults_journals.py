@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.extract.test_extract import assert_same_cache, cli, extract_args, run_extract
+from tests.support.cli import spawn
+from tests.support.extract import assert_same_cache, extract_args, run_extract
 from tests.support.tiny import build_target, write_conversations
 
 SHARD_BYTES = int(0.02 * (1 << 20))  # extract_args' --shard-size
@@ -33,7 +34,7 @@ def test_a_torn_last_journal_line_is_cut_before_the_rerun_appends(setup, tmp_pat
     last = text.rstrip(b"\n").rfind(b"\n") + 1
     assert b'"shard"' in text[last:]
     journal.write_bytes(text[: last + (len(text) - last) // 2])  # a crash halfway through the last shard's line
-    proc = cli(*extract_args(target, data, out))
+    proc = spawn(*extract_args(target, data, out))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert f"note: {journal}: cut a torn last line" in err

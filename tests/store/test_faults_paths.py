@@ -7,15 +7,13 @@ import shutil
 
 import fsspec
 import pytest
-from click.testing import CliRunner
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.manifest import manifest_checksum, read_journals
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.verify import verify_cache
-from dflash_cache_cli.main import main
 from tests.support.cachegen import random_spec, write_random_cache
-from tests.support.s3server import s3_server, s3_url  # noqa: F401 - fixtures
+from tests.support.cli import cli
 
 HOSTILE = [
     "../outside.arrow",
@@ -42,11 +40,6 @@ def with_shard_path(root, path: str, index: int = 0) -> None:
     manifest["shards"][index]["path"] = path
     manifest["checksum"] = manifest_checksum(manifest)
     (root / "manifest.json").write_text(json.dumps(manifest))
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stderr
 
 
 @pytest.mark.parametrize("path", HOSTILE)

@@ -2,11 +2,11 @@
 whom file modes do not stop) gets a message about writability, not about free space."""
 
 import subprocess
-import sys
 
 import pytest
 
-from tests.extract.test_extract import extract_args, run_extract
+from tests.support.cli import shell_command
+from tests.support.extract import extract_args, run_extract
 from tests.support.tiny import build_target, write_conversations
 
 
@@ -41,16 +41,11 @@ def test_a_read_only_cache_folder_is_named_as_such(tmp_path):
     part = tmp_path / "part"
     (part / "shards").mkdir(parents=True)
 
-    def command(out):
-        return " ".join(
-            f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, out)]
-        )
-
     script = f"""
         {read_only(whole)}
-        {command(whole)} 2> '{tmp_path}/whole.err'; echo $? > '{tmp_path}/whole.rc'
+        {shell_command(*extract_args(target, data, whole))} 2> '{tmp_path}/whole.err'; echo $? > '{tmp_path}/whole.rc'
         {read_only(part / "shards")}
-        {command(part)} 2> '{tmp_path}/part.err'; echo $? > '{tmp_path}/part.rc'
+        {shell_command(*extract_args(target, data, part))} 2> '{tmp_path}/part.err'; echo $? > '{tmp_path}/part.rc'
     """
     subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=600, check=True)
     for name, start, end in [

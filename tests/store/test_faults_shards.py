@@ -6,11 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from dflash_cache.store.shard import ShardReader
-from dflash_cache_cli.main import main
-from tests.support.train import drafter_json, make_cache, tiny_config
+from tests.support.cli import cli, one_line_error
+from tests.support.train import drafter_json, make_cache, tiny_train_config
 
 LENGTHS = [40, 23, 57, 31, 12, 64, 45, 19]  # four rows a shard: two shards
 
@@ -45,14 +44,7 @@ def train(cache, drafter, out):
         "--workers",
         2,
     ]
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stderr
-
-
-def one_line_error(code, err, *needles):
-    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
+    return cli(*args)
 
 
 def test_a_swapped_shard_stops_training_naming_it(caches, tmp_path):
@@ -86,5 +78,5 @@ def test_each_shard_is_hashed_once_per_run(caches, tmp_path, monkeypatch):
     hashed = []
     real = ShardReader.sha256
     monkeypatch.setattr(ShardReader, "sha256", lambda self: hashed.append(Path(self.path).name) or real(self))
-    run_training(tiny_config(tmp_path, a, epochs=3), echo=lambda line: None)
+    run_training(tiny_train_config(tmp_path, a, epochs=3), echo=lambda line: None)
     assert sorted(hashed) == ["r0-00000.arrow", "r0-00001.arrow"]

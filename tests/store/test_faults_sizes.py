@@ -5,12 +5,11 @@ import json
 import re
 
 import pytest
-from click.testing import CliRunner
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.manifest import manifest_checksum
-from dflash_cache_cli.main import main
 from tests.support.cachegen import random_spec, write_random_cache
+from tests.support.cli import cli
 
 
 def edited(root, edit) -> None:
@@ -19,11 +18,6 @@ def edited(root, edit) -> None:
     edit(manifest)
     manifest["checksum"] = manifest_checksum(manifest)
     (root / "manifest.json").write_text(json.dumps(manifest))
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stderr
 
 
 def test_a_sample_longer_than_max_length_is_a_malformed_manifest(tmp_path):

@@ -11,58 +11,35 @@ import torch
 from click.testing import CliRunner
 
 from dflash_cache import DFlashCacheError, open_cache
-from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.verify import verify_cache
 from dflash_cache.train.train import train
 from dflash_cache_cli.main import main
-from tests.extract.test_extract import LAYERS, assert_same_cache, cli, extract_args
 from tests.support.cachegen import random_spec, write_random_cache
-from tests.support.s3server import SECRET, s3_server, s3_url  # noqa: F401 - fixtures
-from tests.support.tiny import build_target, build_tokenizer, write_conversations
-from tests.support.train import drafter_json, losses, tiny_config
-
-SHARD_BYTES = int(0.02 * (1 << 20))  # 13 shards for the 16 samples below
-
-
-def run_extract(target, data, out, staging):
-    opts = ExtractOptions(
-        target=target,
-        data=[data],
-        out=out,
-        layers=LAYERS,
-        token_budget=300,
-        max_shard_bytes=SHARD_BYTES,
-        staging=staging,
-    )
-    return extract(opts)
+from tests.support.cli import spawn
+from tests.support.extract import (
+    LAYERS,
+    SHARD_BYTES,
+    assert_same_cache,
+    extract_args,
+    run_extract,
+)
+from tests.support.s3server import SECRET
+from tests.support.tiny import build_tokenizer
+from tests.support.train import drafter_json, losses, tiny_train_config
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("remote")
-    target = build_target(root / "target", "qwen3")
-    data = write_conversations(root / "data.jsonl", count=16, seed=3)
-    reference = root / "reference"
-    extract(
-        ExtractOptions(
-            target=target, data=[data], out=reference, layers=LAYERS, token_budget=300, max_shard_bytes=SHARD_BYTES
-        )
-    )
-    return target, data, reference
-
-
-@pytest.fixture(scope="module")
-def s3_cache(setup, s3_server, tmp_path_factory):  # noqa: F811
+def s3_cache(reference_extraction, s3_server, tmp_path_factory):
     """The same extraction to S3: (url, staging folder, the relative path of every upload in order)."""
-    target, data, _ = setup
+    target, data, _ = reference_extraction
     url, staging = f"{s3_server}/extracted", tmp_path_factory.mktemp("staging")
     uploads = []
     upload, write_bytes = RemoteDir.upload, RemoteDir.write_bytes
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RemoteDir, "upload", lambda self, local, rel: (uploads.append(rel), upload(self, local, rel)))
         patch.setattr(RemoteDir, "write_bytes", lambda self, rel, b: (uploads.append(rel), write_bytes(self, rel, b)))
-        summary = run_extract(target, data, url, staging)
+        summary = run_extract(target, data, url, max_shard_bytes=SHARD_BYTES, staging=staging)
     assert summary.manifest is not None and summary.samples == 16
     return url, staging, uploads
 
@@ -72,8 +49,8 @@ def objects(url: str) -> dict[str, bytes]:
     return {p[len(root) + 1 :]: fs.cat_file(p) for p in fs.find(root)}
 
 
-def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
-    _, _, reference = setup
+def test_extract_verify_inspect_train_on_s3(reference_extraction, s3_cache, tmp_path):
+    _, _, reference = reference_extraction
     url, staging, uploads = s3_cache
     assert uploads[-1] == "manifest.json" and uploads.index("target/head.safetensors") < uploads.index(
         "shards/r0-00000.arrow"
@@ -105,7 +82,7 @@ def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
         ("s3-fetched", url, {"local_cache": str(tmp_path / "shards"), "local_cache_bytes": 1 << 20}),
     ):
         train(
-            tiny_config(tmp_path, cache, out=name, steps=3, drafter=str(drafter), token_budget=512, **extra),
+            tiny_train_config(tmp_path, cache, out=name, steps=3, drafter=str(drafter), token_budget=512, **extra),
             echo=lambda s: None,
         )
     assert len(losses(tmp_path / "local")) == 3
@@ -113,17 +90,17 @@ def test_extract_verify_inspect_train_on_s3(setup, s3_cache, tmp_path):
 
 
 @pytest.mark.parametrize("kill", ["shard", "journal", "manifest"])
-def test_resume_after_a_killed_upload(setup, s3_cache, s3_url, tmp_path, kill):
+def test_resume_after_a_killed_upload(reference_extraction, s3_cache, s3_url, tmp_path, kill):
     """SIGKILL before the 2nd shard's upload, before the journal upload that would list it (then
     resumed from another machine's empty staging folder), or before the manifest's upload."""
-    target, data, reference = setup
+    target, data, reference = reference_extraction
     uploads = s3_cache[2]
     second = uploads.index("shards/r0-00001.arrow")
     nth = {"shard": second, "journal": uploads.index("journal/r0.jsonl", second), "manifest": len(uploads) - 1}[
         kill
     ] + 1
     staging = tmp_path / "staging"
-    proc = cli(
+    proc = spawn(
         *extract_args(target, data, s3_url), "--staging", staging, env={"DFLASH_CACHE_KILL_AT": f"remote.upload:{nth}"}
     )
     _, err = proc.communicate(timeout=300)
@@ -134,7 +111,7 @@ def test_resume_after_a_killed_upload(setup, s3_cache, s3_url, tmp_path, kill):
     if kill == "journal":
         assert remote.exists("shards/r0-00001.arrow") and "r0-00001" not in listed  # uploaded, not listed
         staging = tmp_path / "other-machine"
-    run_extract(target, data, s3_url, staging)
+    run_extract(target, data, s3_url, max_shard_bytes=SHARD_BYTES, staging=staging)
     assert_same_cache(reference, s3_url)
 
 

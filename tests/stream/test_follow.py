@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from dflash_cache import open_cache
 from dflash_cache.store.verify import verify_cache
 from dflash_cache_cli.main import main
-from tests.extract.test_extract import cli, extract_args
+from tests.support.cli import invoke, spawn
+from tests.support.extract import extract_args
 from tests.support.tiny import build_target, write_conversations
 from tests.support.train import drafter_json, losses, metrics
 
@@ -87,7 +88,7 @@ def follow(setup, tmp_path, train_env=None, launcher=(), grad_accum=2, during=No
     `during(cache)` is called once then."""
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
-    extraction = cli(*extract_args(target, data, cache), env=SLOW)
+    extraction = spawn(*extract_args(target, data, cache), env=SLOW)
     training = subprocess.Popen(
         [
             sys.executable,
@@ -122,7 +123,7 @@ def test_following_trains_before_the_end_and_every_sample_once(setup, tmp_path):
             f"is being written by pid {extraction.pid} on {socket.gethostname()} (an extraction that has not finished)"
         )
         for args in (["inspect", cache], ["verify", cache]):
-            result = CliRunner().invoke(main, [str(a) for a in args])
+            result = invoke(*args)
             refused.append(result.exit_code == 1 and running in result.stderr)
 
     cache, run, training, early = follow(setup, tmp_path, during=other_readers_refuse)
@@ -154,7 +155,7 @@ def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, u
     cache, run, killed, _ = follow(setup, tmp_path / "killed", train_env={"DFLASH_CACHE_KILL_AT": kill_at})
     assert killed.returncode == -signal.SIGKILL
     drafter = setup[2]
-    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])
+    result = invoke(*train_args(cache, drafter, run, "--resume"))
     assert result.exit_code == 0, result.output
     assert losses(run) == losses(whole) and len(losses(whole)) == STEPS
     assert (run / "follow.jsonl").read_text() == (whole / "follow.jsonl").read_text()
@@ -164,11 +165,11 @@ def test_sigkill_of_the_following_run_then_resume_gives_the_same_losses(setup, u
 def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup, tmp_path):
     target, data, drafter = setup
     cache, run = tmp_path / "cache", tmp_path / "run"
-    training = cli(*train_args(cache, drafter, run))  # started first: the folder is not there yet
+    training = spawn(*train_args(cache, drafter, run))  # started first: the folder is not there yet
     out = Lines(training)
     out.wait_for("waiting for the extraction to write the target head and journals")
     assert not cache.exists()
-    first = cli(*extract_args(target, data, cache), env={**SLOW, "DFLASH_CACHE_KILL_AT": "shard.committed:2"})
+    first = spawn(*extract_args(target, data, cache), env={**SLOW, "DFLASH_CACHE_KILL_AT": "shard.committed:2"})
     first.communicate(timeout=300)
     assert first.returncode == -signal.SIGKILL
     out.wait_for("no extraction is running on it (killed or failed?): rerun the same extract command")
@@ -189,7 +190,7 @@ def test_a_killed_extraction_leaves_training_waiting_until_it_is_run_again(setup
     assert timed.returncode == 1 and timed.stderr.count("\n") == 1, timed.stderr
     assert f"--follow: nothing new in {cache} for 2 s" in timed.stderr and "no extraction is running" in timed.stderr
 
-    second = cli(*extract_args(target, data, cache))
+    second = spawn(*extract_args(target, data, cache))
     assert second.wait(timeout=300) == 0, second.communicate()[1][-2000:]
     assert training.wait(timeout=300) == 0, training.communicate()[1][-2000:]
     out.thread.join(timeout=30)

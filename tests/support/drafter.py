@@ -1,21 +1,27 @@
-"""Tiny drafter configs, target heads and packed batches shared by the drafter tests."""
+"""Tiny drafter configs, target heads and packed batches shared by the drafter tests, and an untrained
+drafter for the tiny targets."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from dflash_cache.batch import FeatureBatch
+from dflash_cache.drafter.checkpoint import save_drafter
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
+from dflash_cache.drafter.model import DFlashDrafter
+from tests.support.extract import LAYERS
 
 HIDDEN = 32
 VOCAB = 61
 MASK_ID = VOCAB - 1
+RANDOM_DRAFTER_BLOCK = 6
 
 
-def tiny_config(**overrides) -> DrafterConfig:
+def tiny_drafter_config(**overrides) -> DrafterConfig:
     """Both layer types, a window small enough to cut context, GQA."""
     values = dict(
         hidden_size=HIDDEN,
@@ -74,3 +80,26 @@ def counting_backend(backend: Callable) -> tuple[list, Callable]:
         return backend(gm, example_inputs)
 
     return graphs, compile_graph
+
+
+def random_drafter(directory: Path, target_dir: Path, seed: int = 0) -> Path:
+    """An untrained drafter for the tiny targets: its drafts are almost never accepted."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tokenizer),
+        block_size=RANDOM_DRAFTER_BLOCK,
+        target_layer_ids=LAYERS,
+        mask_token_id=tokenizer.mask_token_id,
+        num_target_layers=6,
+    )
+    torch.manual_seed(seed)
+    save_drafter(DFlashDrafter(config), directory)
+    return directory

@@ -5,9 +5,10 @@ its last byte, the command let go on; then the disk is emptied and a second comm
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.cli import shell_command
 
 
 def can_mount_tmpfs() -> bool:
@@ -36,20 +37,17 @@ def fill_at(point: str, first: list, then: list, disk: Path, logs: Path, size: s
     on the emptied disk. Returns both outcomes; copies of the disk as each left it are in
     `logs/after-first` and `logs/after-then`."""
 
-    def command(args: list) -> str:
-        return " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *args])
-
     disk.mkdir()
     script = f"""
         mount -t tmpfs -o size={size} tmpfs '{disk}' || exit 99
-        DFLASH_CACHE_KILL_AT='{point}:STOP' {command(first)} 2> '{logs}/first.err' &
+        DFLASH_CACHE_KILL_AT='{point}:STOP' {shell_command(*first)} 2> '{logs}/first.err' &
         pid=$!
         until [ "$(cut -d')' -f2 /proc/$pid/stat | cut -d' ' -f2)" = T ]; do kill -0 $pid || break; sleep 0.1; done
         dd if=/dev/zero of='{disk}/fill' bs=64k 2> /dev/null
         kill -CONT $pid; wait $pid; echo $? > '{logs}/first.rc'
         rm '{disk}/fill'
         cp -r '{disk}' '{logs}/after-first'
-        {command(then)} 2> '{logs}/then.err'; echo $? > '{logs}/then.rc'
+        {shell_command(*then)} 2> '{logs}/then.err'; echo $? > '{logs}/then.rc'
         cp -r '{disk}' '{logs}/after-then'
     """
     subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=600, check=True)

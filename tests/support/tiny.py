@@ -1,13 +1,16 @@
-"""Tiny tokenizers and targets built offline from configs, shared by the tests."""
+"""Tiny tokenizers, targets and data built offline from configs, shared by the tests."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
+
+from dflash_cache.data.dataset import Sample
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -24,6 +27,8 @@ CORPUS = [
     "user assistant system tool: hello, how are you? I am fine, thank you very much.",
     "0123456789 numbers and letters abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
 ]
+# Crosses the 64-token chunk of the linear-attention kernel, and ends on a partial row.
+PACKED_LENGTHS = [70, 5, 33, 130, 64]
 
 
 def build_tokenizer(vocab_size: int = 384, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -115,3 +120,12 @@ def load_all(paths, tokenizer, max_length: int, workers: int = 0, options=None, 
     for kept in stream_samples(data, paths, tokenizer, options, workers, on_bad_record):
         data.samples.extend(kept)
     return data
+
+
+def random_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> list[Sample]:
+    """Samples of random token ids, every token masked for training."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sample(i, torch.randint(0, vocab_size, (n,), generator=g).numpy().astype(np.int32), np.ones(n, dtype=bool))
+        for i, n in enumerate(lengths)
+    ]

@@ -56,7 +56,7 @@ def drafter_json(path: Path, **overrides) -> Path:
     return path
 
 
-def tiny_config(tmp: Path, cache: Path, out: str = "run", **overrides) -> TrainConfig:
+def tiny_train_config(tmp: Path, cache: Path, out: str = "run", **overrides) -> TrainConfig:
     drafter = tmp / "drafter.json"
     if not drafter.exists():
         drafter_json(drafter)

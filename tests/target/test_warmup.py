@@ -11,7 +11,7 @@ from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.target import load_target
 from dflash_cache.extract.varlen import ATTENTION
 from dflash_cache.extract.warmup import reach_every_kernel
-from tests.extract.test_packing import LENGTHS, random_samples
+from tests.support.tiny import PACKED_LENGTHS, random_samples
 
 
 def test_the_warm_up_forward_stops_after_the_first_layer_of_each_kind(target_dir):
@@ -24,7 +24,8 @@ def test_the_warm_up_forward_stops_after_the_first_layer_of_each_kind(target_dir
     for index, layer in enumerate(target.layers):
         layer.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
     reach_every_kernel(
-        TargetRunner(target, [0, 2, 5]), PackedLayout(400).build(random_samples(LENGTHS, target.vocab_size), "cpu")
+        TargetRunner(target, [0, 2, 5]),
+        PackedLayout(400).build(random_samples(PACKED_LENGTHS, target.vocab_size), "cpu"),
     )
     # tests/support/tiny.py: qwen3 layers are all full attention; qwen3_5's repeat linear, linear, full
     assert ran == ([0] if "qwen3_5" not in str(target_dir) else [0, 1, 2])

@@ -10,11 +10,9 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
 
 from dflash_cache.train.checkpoint import CHECKPOINT_DIR
-from dflash_cache_cli.main import main
-from tests.extract.test_faults_extract import wait_until_stopped
+from tests.support.cli import cli, one_line_error, wait_until_stopped
 from tests.support.train import drafter_json, make_cache
 
 
@@ -43,23 +41,12 @@ def train_args(cache, drafter, out, *extra):
     ]
 
 
-def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stdout if result.exit_code == 0 else result.stderr
-
-
-def one_line_error(code, err, *needles):
-    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A cache, a drafter config and a finished 6-step run saved every 2 steps."""
     root = tmp_path_factory.mktemp("runs")
     cache, drafter = make_cache(root / "cache"), drafter_json(root / "drafter.json")
-    code, text = run(*train_args(cache, drafter, root / "whole"))
+    code, text = cli(*train_args(cache, drafter, root / "whole"))
     assert code == 0, text
     return cache, drafter, root / "whole"
 
@@ -90,16 +77,16 @@ def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(setup, tmp_path):
         (step / name).unlink(missing_ok=True)
     with open(step / "train_state.pt", "wb") as f:  # what an older dflash-cache (or an attacker) leaves
         pickle.dump({"optimizer": RunsACommand(marker)}, f)
-    one_line_error(*run(*train_args(cache, drafter, out, "--resume")), "train_state.json is missing", "not read")
+    one_line_error(*cli(*train_args(cache, drafter, out, "--resume")), "train_state.json is missing", "not read")
     assert not marker.exists()
     # A JSON state naming anything but the three known forms is refused too.
     (step / "train_state.json").write_text(json.dumps({"dict": [["optimizer", {"__reduce__": "os.system"}]]}))
     (step / "train_state.safetensors").write_bytes(
         (whole / CHECKPOINT_DIR / "step-4" / "train_state.safetensors").read_bytes()
     )
-    one_line_error(*run(*train_args(cache, drafter, out, "--resume")), "malformed training state", "__reduce__")
+    one_line_error(*cli(*train_args(cache, drafter, out, "--resume")), "malformed training state", "__reduce__")
     (step / "train_state.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    one_line_error(*run(*train_args(cache, drafter, out, "--resume")), "unreadable training state")
+    one_line_error(*cli(*train_args(cache, drafter, out, "--resume")), "unreadable training state")
     assert not marker.exists()
 
 
@@ -107,9 +94,9 @@ def test_eval_fraction_that_leaves_nothing_writes_no_run(setup, tmp_path):
     cache, drafter, _ = setup
     out = tmp_path / "run"
     args = [a if a != 0 else 0.999 for a in train_args(cache, drafter, out)]
-    one_line_error(*run(*args), "no samples left to train on")
+    one_line_error(*cli(*args), "no samples left to train on")
     assert not out.exists()
-    code, text = run(*train_args(cache, drafter, out))  # the corrected command is not refused
+    code, text = cli(*train_args(cache, drafter, out))  # the corrected command is not refused
     assert code == 0, text
 
 
@@ -125,7 +112,7 @@ def test_tensorboard_holds_each_step_once_after_resume(setup, tmp_path):
     cache, drafter, whole = setup
     assert tensorboard_steps(whole) == [1, 2, 3, 4, 5, 6]
     out = interrupted_copy(whole, tmp_path / "run", 2)  # steps 3-6 were logged after the last checkpoint
-    code, text = run(*train_args(cache, drafter, out, "--resume"))
+    code, text = cli(*train_args(cache, drafter, out, "--resume"))
     assert code == 0 and "resuming from" in text, text
     assert tensorboard_steps(out) == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 5, 6]
@@ -152,7 +139,7 @@ def test_a_second_resume_into_one_run_folder_is_refused(setup, tmp_path):
     finally:
         first.kill()
         first.communicate(timeout=60)
-    code, text = run(*train_args(cache, drafter, out, "--resume"))
+    code, text = cli(*train_args(cache, drafter, out, "--resume"))
     assert code == 0, text
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 5, 6]
 

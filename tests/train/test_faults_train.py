@@ -15,20 +15,19 @@ import time
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
 from dflash_cache.train.distributed import RankFailed
 from dflash_cache.train.train import train
-from dflash_cache_cli.main import main
-from tests.support.fulldisk import can_mount_tmpfs, fill_at
+from tests.support.cli import invoke
+from tests.support.fulldisk import fill_at
 from tests.support.train import (
     drafter_json,
     losses,
     make_cache,
     metrics,
-    tiny_config,
+    tiny_train_config,
 )
 
 STEPS, SAVE_EVERY = 6, 2
@@ -63,7 +62,7 @@ def train_args(cache, drafter, out, *extra):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_faults")
     cache, drafter = make_cache(root / "cache"), drafter_json(root / "drafter.json")
-    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, root / "whole")])
+    result = invoke(*train_args(cache, drafter, root / "whole"))
     assert result.exit_code == 0, result.output
     return cache, drafter, losses(root / "whole")
 
@@ -88,7 +87,7 @@ def test_sigkill_then_resume_equals_uninterrupted(setup, tmp_path, kill_at, resu
         assert (half_written / "train_state.safetensors").is_file() and not (half_written / COMPLETE).exists()
     assert len(losses(run)) == (5 if kill_at.startswith("train") else 4)  # steps logged after the checkpoint
 
-    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])
+    result = invoke(*train_args(cache, drafter, run, "--resume"))
     assert result.exit_code == 0, result.output
     assert f"resuming from {run / 'checkpoints' / f'step-{resumed_from}'}" in result.output
     assert losses(run) == whole  # bit for bit, and metrics.jsonl reads as one run
@@ -105,7 +104,7 @@ def test_sigkill_of_one_rank_ends_every_rank_promptly(setup, tmp_path):
 
     def run():
         try:
-            train(tiny_config(tmp_path, cache, steps=10_000, cpu_procs=2), echo=print)
+            train(tiny_train_config(tmp_path, cache, steps=10_000, cpu_procs=2), echo=print)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             outcome.append(e)
 
@@ -125,10 +124,9 @@ def test_sigkill_of_one_rank_ends_every_rank_promptly(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("small_tmpfs")
 def test_full_disk_while_a_checkpoint_is_written_names_the_run_and_resumes_equal(setup, tmp_path):
     """It was a bare `SafetensorError: ... No space left on device` without the run folder or --resume."""
-    if not can_mount_tmpfs():
-        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
     cache, drafter, whole = setup
     disk = tmp_path / "disk"
     run = disk / "run"
@@ -177,7 +175,7 @@ def test_a_damaged_optimizer_state_is_named_with_its_checkpoint_before_the_first
     key = first_exp_avg(state_file.parent)
     tensors[key] = damage(tensors[key])
     save_file(tensors, state_file)
-    result = CliRunner().invoke(main, [str(a) for a in train_args(cache, drafter, run, "--resume")])
+    result = invoke(*train_args(cache, drafter, run, "--resume"))
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
     assert result.stderr.startswith(f"error: {state_file}: ") and re.search(match, result.stderr), result.stderr
     assert "move its folder away" in result.stderr

@@ -11,7 +11,7 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.train.checkpoint import load_checkpoint, rng_state, save_checkpoint
 from dflash_cache.train.optim import CompiledAdamW, build_optimizer, build_scheduler, clipped_step, gradient_norm
-from tests.support.drafter import random_batch, random_head, tiny_config
+from tests.support.drafter import random_batch, random_head, tiny_drafter_config
 
 
 def test_schedule_follows_the_step_count_even_when_a_step_is_skipped():
@@ -176,7 +176,7 @@ def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exac
 
     def drafter_and_optimizer():
         torch.manual_seed(0)
-        model = DFlashDrafter(tiny_config(), random_head(0), tile=16)
+        model = DFlashDrafter(tiny_drafter_config(), random_head(0), tile=16)
         groups = [
             {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
@@ -223,7 +223,7 @@ def test_training_on_bf16_matrices_follows_fp32_weights_under_autocast(lr):
 
     def losses(bf16_matrices: bool) -> list[float]:
         torch.manual_seed(0)
-        model = DFlashDrafter(tiny_config(), random_head(0), tile=16, attention="dense")
+        model = DFlashDrafter(tiny_drafter_config(), random_head(0), tile=16, attention="dense")
         groups = [
             {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01},
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},

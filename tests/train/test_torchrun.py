@@ -11,10 +11,8 @@ import pytest
 
 from dflash_cache.train.distributed import free_port
 from dflash_cache.train.train import train
-from tests.extract.test_extract import LAYERS, assert_same_cache
-from tests.store.test_remote import setup  # noqa: F401 - fixture: a tiny target, data and a one-process cache
-from tests.support.s3server import s3_server, s3_url  # noqa: F401 - fixtures
-from tests.support.train import losses, make_cache, tiny_config
+from tests.support.extract import LAYERS, assert_same_cache
+from tests.support.train import losses, make_cache, tiny_train_config
 
 pytestmark = pytest.mark.slow  # each node starts torchrun's agent and one worker: a few interpreters
 
@@ -45,9 +43,9 @@ def two_nodes(tmp_path: Path, rendezvous: list[str], args) -> None:
         assert proc.returncode == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
 
 
-def test_extract_on_two_nodes_equals_one_process(setup, s3_url, tmp_path):  # noqa: F811
+def test_extract_on_two_nodes_equals_one_process(reference_extraction, s3_url, tmp_path):
     """Static rendezvous; each node has its own staging folder, as on two machines."""
-    target, data, reference = setup
+    target, data, reference = reference_extraction
     two_nodes(
         tmp_path,
         ["--master-addr", "127.0.0.1", "--master-port", str(free_port())],
@@ -74,14 +72,14 @@ def test_extract_on_two_nodes_equals_one_process(setup, s3_url, tmp_path):  # no
     assert_same_cache(reference, s3_url)
 
 
-def test_train_on_two_nodes_equals_one_process(s3_url, tmp_path):  # noqa: F811
+def test_train_on_two_nodes_equals_one_process(s3_url, tmp_path):
     """c10d rendezvous, DDP over gloo, the cache read from S3; one process with grad accum 2 has the
     same global batch."""
     cache = make_cache(tmp_path / "cache")
     fs, root = fsspec.core.url_to_fs(s3_url)
     fs.put(f"{cache}/", root, recursive=True)
-    train(tiny_config(tmp_path, cache, out="one", steps=3, grad_accum=2), echo=lambda s: None)
-    drafter = tmp_path / "drafter.json"  # written by tiny_config
+    train(tiny_train_config(tmp_path, cache, out="one", steps=3, grad_accum=2), echo=lambda s: None)
+    drafter = tmp_path / "drafter.json"  # written by tiny_train_config
     two_nodes(
         tmp_path,
         ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"],

@@ -12,7 +12,7 @@ from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import ReaderError
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
 from dflash_cache.train.train import train
-from tests.support.train import drafter_json, losses, make_cache, metrics, tiny_config
+from tests.support.train import drafter_json, losses, make_cache, metrics, tiny_train_config
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def cache(tmp_path_factory):
 
 def test_eager_run_writes_metrics_checkpoint_and_tensorboard(tmp_path, cache):
     lines = []
-    train(tiny_config(tmp_path, cache, steps=3, eval_fraction=0.2, eval_every=2), echo=lines.append)
+    train(tiny_train_config(tmp_path, cache, steps=3, eval_fraction=0.2, eval_every=2), echo=lines.append)
     run = tmp_path / "run"
     records = metrics(run)
     steps = [r for r in records if "loss" in r]
@@ -39,7 +39,7 @@ def test_eager_run_writes_metrics_checkpoint_and_tensorboard(tmp_path, cache):
 
 
 def test_save_every_zero_writes_no_checkpoint(tmp_path, cache):
-    train(tiny_config(tmp_path, cache, steps=2, save_every=0))
+    train(tiny_train_config(tmp_path, cache, steps=2, save_every=0))
     run = tmp_path / "run"
     assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2]
     assert latest_checkpoint(run) is None
@@ -50,9 +50,9 @@ def test_compiled_mode_matches_eager_with_one_graph(tmp_path, cache):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    train(tiny_config(tmp_path, cache, out="eager", steps=3), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, out="eager", steps=3), echo=lambda s: None)
     train(
-        tiny_config(tmp_path, cache, out="compiled", steps=3, compile=True, compile_backend="aot_eager"),
+        tiny_train_config(tmp_path, cache, out="compiled", steps=3, compile=True, compile_backend="aot_eager"),
         echo=lambda s: None,
     )
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
@@ -80,14 +80,14 @@ def crash_at(monkeypatch, step: int):
 def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     # 16 samples, budget 128: 6 batches an epoch; 8 steps cross into epoch 1.
     options = {"steps": 8, "save_every": 3, "grad_accum": 1}
-    train(tiny_config(tmp_path, cache, out="whole", **options), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, out="whole", **options), echo=lambda s: None)
     whole = losses(tmp_path / "whole")
     assert len(whole) == 8
 
     with monkeypatch.context() as m:
         crash_at(m, 8)
         with pytest.raises(Crash):
-            train(tiny_config(tmp_path, cache, out="cut", **options), echo=lambda s: None)
+            train(tiny_train_config(tmp_path, cache, out="cut", **options), echo=lambda s: None)
     run = tmp_path / "cut"
     assert latest_checkpoint(run).name == "step-6"  # saved at the end of epoch 0
     # A checkpoint being written when the run died: never picked up.
@@ -95,7 +95,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     shutil.copytree(run / "checkpoints" / "step-6", partial)
     (partial / COMPLETE).unlink()
     (run / "checkpoints" / ".step-7.tmp").mkdir()
-    train(tiny_config(tmp_path, cache, out="cut", resume=True, **options), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, out="cut", resume=True, **options), echo=lambda s: None)
     assert losses(run) == whole  # bit-exact, and the metrics file reads as one run
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
     assert not (run / "checkpoints" / ".step-7.tmp").exists()
@@ -112,7 +112,7 @@ def test_reader_failure_ends_the_run_promptly(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(CacheSet, "read", read)
     start = time.monotonic()
     with pytest.raises(ReaderError, match="sample 3: OSError: injected: disk went away"):
-        train(tiny_config(tmp_path, cache, epochs=1), echo=lambda s: None)
+        train(tiny_train_config(tmp_path, cache, epochs=1), echo=lambda s: None)
     assert time.monotonic() - start < 20
 
 
@@ -129,7 +129,7 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, cache, monkeypatch, skip):
         return batch
 
     monkeypatch.setattr(loader, "to_device", poisoned)
-    cfg = tiny_config(tmp_path, cache, epochs=1, skip_nonfinite=skip)
+    cfg = tiny_train_config(tmp_path, cache, epochs=1, skip_nonfinite=skip)
     if not skip:
         with pytest.raises(
             DFlashCacheError,
@@ -165,7 +165,7 @@ def test_out_of_memory_names_the_batch_and_the_options(tmp_path, cache, monkeypa
         match=r"out of memory on cpu at step 1 on a batch of \d+ tokens in \d+ "
         r"sequences .*; lower --token-budget \(now 128\) or --max-anchors \(now 8\)$",
     ):
-        train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+        train(tiny_train_config(tmp_path, cache, steps=1), echo=lambda s: None)
 
 
 def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, cache, monkeypatch):
@@ -176,11 +176,11 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, cache, monk
 
     monkeypatch.setattr(DrafterRunner, "__call__", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+        train(tiny_train_config(tmp_path, cache, steps=1), echo=lambda s: None)
 
 
 def test_run_json_records_the_run(tmp_path, cache):
-    train(tiny_config(tmp_path, cache, steps=1), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, steps=1), echo=lambda s: None)
     identity = json.loads((tmp_path / "run" / "run.json").read_text())
     assert identity["options"]["steps"] == 1 and identity["world_size"] == 1
     assert identity["drafter"]["target_layer_ids"] == [1, 3]
@@ -190,7 +190,7 @@ def test_under_torchrun_the_process_is_one_rank(tmp_path, cache, monkeypatch):
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(train_module, "launch", None)  # nothing may be spawned
-    train(tiny_config(tmp_path, cache, steps=2), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, steps=2), echo=lambda s: None)
     assert len(losses(tmp_path / "run")) == 2
 
 
@@ -211,7 +211,7 @@ def test_each_epoch_is_planned_once_before_the_first_step(tmp_path, cache, monke
 
     monkeypatch.setattr(EpochPlan, "_batches", batches)
     monkeypatch.setattr(train_module, "train_step", step)
-    train(tiny_config(tmp_path, cache, epochs=3, save_every=0), echo=lambda s: None)
+    train(tiny_train_config(tmp_path, cache, epochs=3, save_every=0), echo=lambda s: None)
     # prepare counts the steps of epochs 0, 1 and 2; the rank then plans only the epoch it starts with.
     assert planned == [0, 1, 2, 0]
 
@@ -238,7 +238,7 @@ def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_statistics_and_size_the_n
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            train(tiny_config(tmp_path, cache, steps=6, cpu_procs=0, gpus=[0], save_every=0), echo=lambda s: None)
+            train(tiny_train_config(tmp_path, cache, steps=6, cpu_procs=0, gpus=[0], save_every=0), echo=lambda s: None)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     waits = [

@@ -1,7 +1,6 @@
 import pytest
-from click.testing import CliRunner
 
-from dflash_cache_cli.main import main
+from tests.support.cli import cli, one_line_error
 from tests.support.train import drafter_json, losses, make_cache
 
 
@@ -11,13 +10,9 @@ def setup(tmp_path_factory):
     return make_cache(root / "cache"), drafter_json(root / "drafter.json")
 
 
-def run(*args):
-    result = CliRunner().invoke(main, ["train", *[str(a) for a in args]])
-    return result.exit_code, result.stdout if result.exit_code == 0 else result.stderr
-
-
 def options(cache, drafter, out, *extra):
     return [
+        "train",
         "--cache",
         cache,
         "--out",
@@ -38,26 +33,19 @@ def options(cache, drafter, out, *extra):
     ]
 
 
-def one_line_error(code, out, *needles):
-    assert code == 1, out
-    assert out.startswith("error: ") and out.count("\n") == 1 and "Traceback" not in out, out
-    for needle in needles:
-        assert needle in out, out
-
-
 def test_train_then_refuse_to_overwrite_then_resume(tmp_path, setup):
     cache, drafter = setup
     out = tmp_path / "run"
-    code, text = run(*options(cache, drafter, out))
+    code, text = cli(*options(cache, drafter, out))
     assert code == 0, text
     assert "Batches per epoch:" in text and "step 2/2 | loss" in text and f"done: {out}" in text
     before = (out / "metrics.jsonl").read_text()
 
-    one_line_error(*run(*options(cache, drafter, out)), "already holds a training run", "--resume")
-    one_line_error(*run(*options(cache, drafter, out, "--lr", 1e-3, "--resume")), "different config", "lr")
+    one_line_error(*cli(*options(cache, drafter, out)), "already holds a training run", "--resume")
+    one_line_error(*cli(*options(cache, drafter, out, "--lr", 1e-3, "--resume")), "different config", "lr")
     assert (out / "metrics.jsonl").read_text() == before  # nothing overwritten
 
-    code, text = run(*options(cache, drafter, out, "--resume"))  # a finished run: nothing to do, and what next
+    code, text = cli(*options(cache, drafter, out, "--resume"))  # a finished run: nothing to do, and what next
     assert code == 0 and f"{out} is finished: step-2 is its last step (2)" in text, text
     assert "another --out with more --steps" in text and "step 1/" not in text
     assert (out / "metrics.jsonl").read_text() == before
@@ -70,27 +58,27 @@ def test_a_run_with_no_checkpoint_is_named_as_such(tmp_path, setup):
 
     cache, drafter = setup
     out = tmp_path / "run"
-    assert run(*options(cache, drafter, out))[0] == 0
+    assert cli(*options(cache, drafter, out))[0] == 0
     shutil.rmtree(out / "checkpoints")
-    one_line_error(*run(*options(cache, drafter, out)), "no checkpoint", "nothing to resume", "delete it")
-    one_line_error(*run(*options(cache, drafter, out, "--resume")), "no complete checkpoint")
+    one_line_error(*cli(*options(cache, drafter, out)), "no checkpoint", "nothing to resume", "delete it")
+    one_line_error(*cli(*options(cache, drafter, out, "--resume")), "no complete checkpoint")
 
 
 def test_bad_caches(tmp_path, setup):
     cache, drafter = setup
-    one_line_error(*run(*options(tmp_path / "nope", drafter, tmp_path / "a")), "no such cache directory")
+    one_line_error(*cli(*options(tmp_path / "nope", drafter, tmp_path / "a")), "no such cache directory")
     incomplete = make_cache(tmp_path / "incomplete")
     (incomplete / "manifest.json").unlink()
-    one_line_error(*run(*options(incomplete, drafter, tmp_path / "b")), "incomplete")
+    one_line_error(*cli(*options(incomplete, drafter, tmp_path / "b")), "incomplete")
     other = make_cache(tmp_path / "other", codec="fp8-zstd")
     one_line_error(
-        *run(*options(cache, drafter, tmp_path / "c", "--cache", other)),
+        *cli(*options(cache, drafter, tmp_path / "c", "--cache", other)),
         "different specs",
         "codec: bf16-zstd -> fp8-zstd",
     )
     headless = make_cache(tmp_path / "headless")
     (headless / "target" / "head.safetensors").unlink()
-    one_line_error(*run(*options(headless, drafter, tmp_path / "d")), "head.safetensors is missing")
+    one_line_error(*cli(*options(headless, drafter, tmp_path / "d")), "head.safetensors is missing")
     assert not any((tmp_path / name).exists() for name in "abcd")  # no run folder made for bad input
 
 
@@ -102,7 +90,7 @@ def test_a_cache_given_twice_is_refused(tmp_path, setup):
     shutil.copytree(cache, tmp_path / "copy")
     for second, out in ((cache, "a"), (f"{cache}/.", "b"), (tmp_path / "copy", "c")):
         one_line_error(
-            *run(*options(cache, drafter, tmp_path / out, "--cache", second)),
+            *cli(*options(cache, drafter, tmp_path / out, "--cache", second)),
             "sample 0 is in both",
             "(same data source); give each cache once",
         )
@@ -112,27 +100,27 @@ def test_a_cache_given_twice_is_refused(tmp_path, setup):
 def test_drafter_config_that_does_not_fit_the_cache(tmp_path, setup):
     cache, _ = setup
     layers = drafter_json(tmp_path / "layers.json", target_layer_ids=[1, 4])
-    one_line_error(*run(*options(cache, layers, tmp_path / "a")), "reads target layers [1, 4]", "holds [1, 3]")
+    one_line_error(*cli(*options(cache, layers, tmp_path / "a")), "reads target layers [1, 4]", "holds [1, 3]")
     hidden = drafter_json(tmp_path / "hidden.json", hidden_size=64)
-    one_line_error(*run(*options(cache, hidden, tmp_path / "b")), "target hidden size 64", "has 32")
+    one_line_error(*cli(*options(cache, hidden, tmp_path / "b")), "target hidden size 64", "has 32")
 
 
 def test_resume_without_a_run_or_a_checkpoint(tmp_path, setup):
     cache, drafter = setup
-    one_line_error(*run(*options(cache, drafter, tmp_path / "fresh", "--resume")), "holds no run")
+    one_line_error(*cli(*options(cache, drafter, tmp_path / "fresh", "--resume")), "holds no run")
     out = tmp_path / "run"
-    code, _ = run(*options(cache, drafter, out, "--save-every", 1000, "--steps", 1))
+    code, _ = cli(*options(cache, drafter, out, "--save-every", 1000, "--steps", 1))
     assert code == 0
     for checkpoint in (out / "checkpoints").iterdir():
         (checkpoint / "complete.json").unlink()  # as if killed while writing it
-    one_line_error(*run(*options(cache, drafter, out, "--steps", 1, "--resume")), "no complete checkpoint")
+    one_line_error(*cli(*options(cache, drafter, out, "--steps", 1, "--resume")), "no complete checkpoint")
 
 
 def test_out_that_is_not_empty(tmp_path, setup):
     cache, drafter = setup
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("keep me")
-    one_line_error(*run(*options(cache, drafter, tmp_path / "busy")), "not an empty folder")
+    one_line_error(*cli(*options(cache, drafter, tmp_path / "busy")), "not an empty folder")
     assert (tmp_path / "busy" / "notes.txt").read_text() == "keep me"
 
 
@@ -153,7 +141,7 @@ def test_out_that_is_not_empty(tmp_path, setup):
 )
 def test_options_out_of_range(tmp_path, setup, extra, needle):
     cache, drafter = setup
-    one_line_error(*run(*options(cache, drafter, tmp_path / "run", *extra)), needle)
+    one_line_error(*cli(*options(cache, drafter, tmp_path / "run", *extra)), needle)
 
 
 def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
@@ -164,12 +152,12 @@ def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
     first = {}
     for loss in ("dflash", "dpace", "topk"):
         out = tmp_path / f"run-{loss}"
-        code, text = run(*options(topk_cache, drafter, out, "--loss", loss, "--steps", 1))
+        code, text = cli(*options(topk_cache, drafter, out, "--loss", loss, "--steps", 1))
         assert code == 0, text
         first[loss] = losses(out)[0]
     assert len(set(first.values())) == 3, first
     one_line_error(
-        *run(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
+        *cli(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
         "different config",
         "loss",
     )
@@ -178,10 +166,20 @@ def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
 def test_topk_loss_needs_top_k_labels(tmp_path, setup):
     cache, drafter = setup
     out = tmp_path / "run"
-    one_line_error(*run(*options(cache, drafter, out, "--loss", "topk")), "lacks", "extract it with --topk K")
+    one_line_error(*cli(*options(cache, drafter, out, "--loss", "topk")), "lacks", "extract it with --topk K")
     assert not out.exists()
     one_line_error(
-        *run("--live-target", tmp_path / "model", "--data", tmp_path / "data.jsonl", "--out", out, "--loss", "topk"),
+        *cli(
+            "train",
+            "--live-target",
+            tmp_path / "model",
+            "--data",
+            tmp_path / "data.jsonl",
+            "--out",
+            out,
+            "--loss",
+            "topk",
+        ),
         "--live-target computes none",
     )
     assert not out.exists()
@@ -200,5 +198,5 @@ def test_a_cache_with_no_token_to_train_on_is_refused(tmp_path):
     manifest["checksum"] = manifest_checksum(manifest)
     (cache / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "run"
-    one_line_error(*run(*options(cache, drafter_json(tmp_path / "drafter.json"), out)), "holds no token to train on")
+    one_line_error(*cli(*options(cache, drafter_json(tmp_path / "drafter.json"), out)), "holds no token to train on")
     assert not out.exists()

@@ -7,8 +7,8 @@ import pytest
 
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.train.train import train
-from tests.support.train import drafter_json, losses, metrics, tiny_config
-from tests.train.test_train_cli import one_line_error, run
+from tests.support.cli import cli, one_line_error
+from tests.support.train import drafter_json, losses, metrics, tiny_train_config
 
 LAYERS = [1, 4]
 TIMING = {"tokens_per_s", "step_time_s"}
@@ -29,6 +29,7 @@ def setup(qwen3_target_dir, conversations, tmp_path_factory):
 
 def options(drafter, out, *extra):
     return [
+        "train",
         "--out",
         out,
         "--drafter",
@@ -61,9 +62,9 @@ def without_timing(records: list[dict]) -> list[dict]:
 
 def test_live_target_trains_to_the_losses_of_the_cache(tmp_path, setup):
     cache, drafter, target, data = setup
-    code, text = run(*options(drafter, tmp_path / "cached", "--cache", cache))
+    code, text = cli(*options(drafter, tmp_path / "cached", "--cache", cache))
     assert code == 0, text
-    code, text = run(*options(drafter, tmp_path / "live", *live(target, data, "--exact-target")))
+    code, text = cli(*options(drafter, tmp_path / "live", *live(target, data, "--exact-target")))
     assert code == 0, text
     assert "computed live by" in text and "one sample per target forward" in text and "step 4/4 | loss" in text
     cached, streamed = metrics(tmp_path / "cached"), metrics(tmp_path / "live")
@@ -74,17 +75,17 @@ def test_live_target_trains_to_the_losses_of_the_cache(tmp_path, setup):
 
 def test_packed_forwards_by_default_and_resume_keeps_the_mode(tmp_path, setup):
     _, drafter, target, data = setup
-    code, text = run(*options(drafter, tmp_path / "exact", *live(target, data, "--exact-target")))
+    code, text = cli(*options(drafter, tmp_path / "exact", *live(target, data, "--exact-target")))
     assert code == 0, text
     out = tmp_path / "packed"
-    code, text = run(*options(drafter, out, *live(target, data)))
+    code, text = cli(*options(drafter, out, *live(target, data)))
     assert code == 0, text
     assert "target forwards of <= 200 padded tokens" in text
     packed, exact = losses(out), losses(tmp_path / "exact")
     assert all(math.isfinite(x) for x in packed)
     assert packed == pytest.approx(exact, rel=0.05)  # bf16 rounding of other batch shapes only
     one_line_error(
-        *run(*options(drafter, out, *live(target, data, "--exact-target"), "--resume")),
+        *cli(*options(drafter, out, *live(target, data, "--exact-target"), "--resume")),
         "different config",
         "forward_tokens",
     )
@@ -116,7 +117,7 @@ def test_packed_forwards_by_default_and_resume_keeps_the_mode(tmp_path, setup):
 def test_bad_combinations(tmp_path, setup, extra, needle):
     cache, drafter, target, data = setup
     names = {"CACHE": cache, "TARGET": target, "DATA": data}
-    one_line_error(*run(*options(drafter, tmp_path / "run", *[names.get(x, x) for x in extra])), needle)
+    one_line_error(*cli(*options(drafter, tmp_path / "run", *[names.get(x, x) for x in extra])), needle)
     assert not (tmp_path / "run").exists()
 
 
@@ -133,7 +134,7 @@ def test_two_ranks_each_with_its_own_target(tmp_path, setup):
         "token_budget": 200,
     }
     drafter = drafter_json(tmp_path / "drafter.json", hidden_size=64, head_dim=16, target_layer_ids=LAYERS)
-    train(tiny_config(tmp_path, "", out="one", steps=2, grad_accum=2, drafter=str(drafter), **source), echo=print)
-    train(tiny_config(tmp_path, "", out="two", steps=2, cpu_procs=2, drafter=str(drafter), **source), echo=print)
+    train(tiny_train_config(tmp_path, "", out="one", steps=2, grad_accum=2, drafter=str(drafter), **source), echo=print)
+    train(tiny_train_config(tmp_path, "", out="two", steps=2, cpu_procs=2, drafter=str(drafter), **source), echo=print)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == 2 and two == pytest.approx(one, rel=1e-5)
