@@ -7,7 +7,7 @@ import click
 from tqdm import tqdm
 
 from dflash_cache.choices import CODECS
-from dflash_cache.progress import ProgressLog
+from dflash_cache.console.progress import ProgressLog
 from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from dflash_cache.eval.speculative import (
     evaluate_speculative,
 )
 from dflash_cache.extract.pipeline import ExtractOptions, ExtractSummary, extract
-from dflash_cache.folders import check_holds_only
+from dflash_cache.files.folders import check_holds_only
 from dflash_cache.target.info import read_target_info
 from dflash_cache.train.checkpoint import latest_checkpoint
 from dflash_cache.train.config import TrainConfig

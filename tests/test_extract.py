@@ -76,7 +76,7 @@ def test_spec_mismatch_and_bad_input(qwen3_target_dir, conversations, tmp_path):
 
 
 def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_path):
-    from dflash_cache.lock import FolderLock
+    from dflash_cache.files.lock import FolderLock
 
     out = tmp_path / "cache"
     holder = FolderLock(out, "cache").acquire()

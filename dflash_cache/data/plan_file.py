@@ -27,9 +27,9 @@ import numpy as np
 
 from dflash_cache.data import plan as plan_module
 from dflash_cache.data.plan import Batches
+from dflash_cache.data.rowbits import CHUNK, RowBits
 from dflash_cache.data.tokenized import TokenizedData
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.rowbits import CHUNK, RowBits
 
 FORMAT = 1
 

@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash_cache import faults
 from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
+from dflash_cache.data.rowbits import CHUNK
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.rowbits import CHUNK
+from dflash_cache.files import faults
 
 FORMAT = 3  # 2: the id column, 3: its checksum; a file of another format is never reused (its key differs)
 SCHEMA = pa.schema(

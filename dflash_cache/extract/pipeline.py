@@ -34,8 +34,8 @@ from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
-from dflash_cache.folders import check_holds_only
-from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
+from dflash_cache.files.folders import check_holds_only
+from dflash_cache.files.lock import LOCK_DIR, FolderLock, launch_key, make_folder
 from dflash_cache.store.cache import TARGET_DIR
 from dflash_cache.store.codecs import check_codec
 from dflash_cache.store.manifest import (

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.files import faults
 from dflash_cache.store.schema import ROW_SCHEMA, ROW_SCHEMA_V1, Row, row_checksum
 
 SHARD_DIR = "shards"

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cache.console.units import size as gb
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import parameter_count
 from dflash_cache.drafter.head_loss import LOGITS_PER_CHUNK
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.units import size as gb
 
 # (token budget, max anchors per sequence). On a GPU the reference settings; on the CPU the attention
 # is computed against a dense mask over the whole packed batch, so its cost grows with

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.follow import FollowedCache, Waiter
 from dflash_cache.stream.loader import Loader

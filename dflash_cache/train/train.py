@@ -25,14 +25,15 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_cache import faults
-from dflash_cache.batch import FeatureBatch
+from dflash_cache.console.units import size as gb
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.lock import FolderLock
+from dflash_cache.files import faults
+from dflash_cache.files.lock import FolderLock
 from dflash_cache.store.pool import default_pool_size
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -79,7 +80,6 @@ from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_s
 from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import FollowSource, Source, check_target_gpus, open_source, target_device
-from dflash_cache.units import size as gb
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
