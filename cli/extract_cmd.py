@@ -8,11 +8,13 @@ from tqdm import tqdm
 
 from dflash_cache.choices import CODECS
 from dflash_cache.console.progress import ProgressLog
+from dflash_cache.extract.events import ExtractEvents
 from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 if TYPE_CHECKING:
+    from dflash_cache.data.dataset import LoadedData
     from dflash_cache.extract.pipeline import ExtractSummary
-    from dflash_cache.extract.worker import RankSummary
+    from dflash_cache.extract.worker import Progress, RankSummary
 
 
 @click.command("extract")
@@ -198,80 +200,11 @@ def command(
         kernel_cache=kernel_cache,
         hash_weights=not skip_weights_hash,
     )
-    bar = log = None
-    written = [0, 0.0]  # bytes, seconds waiting on the disk
-    terminal = sys.stderr.isatty()
-
-    def on_tokenize(samples: int, tokens: int) -> None:
-        nonlocal bar, log
-        if bar is None and log is None:
-            click.echo("tokenizing the data (kept for later runs)", err=True)
-            if terminal:
-                bar = tqdm(unit="sample", desc="tokenize", dynamic_ncols=True)
-            else:
-                log = ProgressLog("tokenize", None, None, lambda line: click.echo(line, err=True), writes=False).start()
-        if bar is not None:
-            bar.update(samples)
-        else:
-            log.update(samples, tokens)
-
-    def close_progress() -> None:
-        nonlocal bar, log
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-        bar = log = None
-
-    def on_data(loaded) -> None:
-        if loaded.bad_records:
-            first = loaded.bad_records[0]
-            click.echo(
-                f"skipped {len(loaded.bad_records)} bad records (listed in the manifest), e.g. {first['where']}: {first['reason']}",
-                err=True,
-            )
-        if loaded.untrainable:
-            click.echo(
-                f"skipped {len(loaded.untrainable)} samples with no assistant token within --max-length {max_length} "
-                f"(listed in the manifest), e.g. {loaded.untrainable[0]['where']}",
-                err=True,
-            )
-        if loaded.unfaithful:
-            click.echo(
-                f"warning: the chat template does not render {loaded.unfaithful} conversations as the data has them "
-                f"(recorded in the manifest; --strict-template makes it an error), e.g. {loaded.unfaithful_examples[0]}",
-                err=True,
-            )
-
-    def on_plan(samples: int, tokens: int, layout: str) -> None:
-        nonlocal bar, log
-        close_progress()  # tokenizing is over
-        if not samples:
-            return
-        click.echo(f"to extract: {samples} samples, {tokens} tokens; the target runs {layout}", err=True)
-        if terminal:
-            bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
-        else:  # a log file: tqdm would print nothing
-            log = ProgressLog("extract", samples, tokens, lambda line: click.echo(line, err=True)).start()
-
-    def on_progress(p) -> None:
-        written[0] += p.bytes
-        written[1] += p.wait_s
-        if log is not None:
-            log.update(p.samples, p.tokens, p.bytes)
-        if bar is not None:
-            bar.update(p.tokens)
-            waiting = " (waiting on disk)" if p.wait_s > 0.1 else ""
-            bar.set_postfix_str(f"{written[0] / 1e6:,.1f} MB written{waiting}", refresh=False)
-
+    display = _Display(max_length, terminal=sys.stderr.isatty())
     try:
-        summary = extract(
-            opts, on_progress, on_plan, on_data, on_tokenize, on_note=lambda line: click.echo(f"note: {line}", err=True)
-        )
+        summary = extract(opts, display)
     finally:
-        close_progress()
-    if bar is not None:
-        bar.close()
+        display.close()
     if summary.already_complete:
         click.echo(f"{out}: already complete, nothing to do")
         return
@@ -284,6 +217,82 @@ def command(
         click.echo(rank_line(r))
     if summary.manifest is None:
         click.echo("this rank is done; the manifest is written by the last rank to finish")
+
+
+class _Display(ExtractEvents):
+    """Tokenizing and extraction progress as a bar on a terminal, as lines in a log."""
+
+    def __init__(self, max_length: int, terminal: bool):
+        self.max_length = max_length
+        self.terminal = terminal
+        self.bar: tqdm | None = None
+        self.log: ProgressLog | None = None
+        self.written = 0  # bytes
+
+    def tokenize(self, samples: int, tokens: int) -> None:
+        if self.bar is None and self.log is None:
+            click.echo("tokenizing the data (kept for later runs)", err=True)
+            if self.terminal:
+                self.bar = tqdm(unit="sample", desc="tokenize", dynamic_ncols=True)
+            else:
+                self.log = ProgressLog("tokenize", None, None, _echo_err, writes=False).start()
+        if self.bar is not None:
+            self.bar.update(samples)
+        else:
+            self.log.update(samples, tokens)
+
+    def data(self, loaded: "LoadedData") -> None:
+        if loaded.bad_records:
+            first = loaded.bad_records[0]
+            click.echo(
+                f"skipped {len(loaded.bad_records)} bad records (listed in the manifest), e.g. {first['where']}: {first['reason']}",
+                err=True,
+            )
+        if loaded.untrainable:
+            click.echo(
+                f"skipped {len(loaded.untrainable)} samples with no assistant token within --max-length {self.max_length} "
+                f"(listed in the manifest), e.g. {loaded.untrainable[0]['where']}",
+                err=True,
+            )
+        if loaded.unfaithful:
+            click.echo(
+                f"warning: the chat template does not render {loaded.unfaithful} conversations as the data has them "
+                f"(recorded in the manifest; --strict-template makes it an error), e.g. {loaded.unfaithful_examples[0]}",
+                err=True,
+            )
+
+    def plan(self, samples: int, tokens: int, layout: str) -> None:
+        self.close()  # tokenizing is over
+        if not samples:
+            return
+        click.echo(f"to extract: {samples} samples, {tokens} tokens; the target runs {layout}", err=True)
+        if self.terminal:
+            self.bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+        else:  # a log file: tqdm would print nothing
+            self.log = ProgressLog("extract", samples, tokens, _echo_err).start()
+
+    def progress(self, progress: "Progress") -> None:
+        self.written += progress.bytes
+        if self.log is not None:
+            self.log.update(progress.samples, progress.tokens, progress.bytes)
+        if self.bar is not None:
+            self.bar.update(progress.tokens)
+            waiting = " (waiting on disk)" if progress.wait_s > 0.1 else ""
+            self.bar.set_postfix_str(f"{self.written / 1e6:,.1f} MB written{waiting}", refresh=False)
+
+    def note(self, line: str) -> None:
+        click.echo(f"note: {line}", err=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            self.log.close()
+        self.bar = self.log = None
+
+
+def _echo_err(line: str) -> None:
+    click.echo(line, err=True)
 
 
 def _json_object(text: str | None) -> dict | None:

@@ -32,8 +32,8 @@ from dflash_cache.files.write_errors import write_failed
 from dflash_cache.store.codecs import compress, encode, encoded_size
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
-from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
+from dflash_cache.store.writer import ShardWriter
 from dflash_cache.target.batch import Layout, to_device
 from dflash_cache.target.head import save_target_files
 from dflash_cache.target.runner import TargetRunner
