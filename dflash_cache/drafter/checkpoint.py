@@ -9,7 +9,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dflash_cache.drafter.config import DrafterConfig, config_from_file
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config_file import config_from_file
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
