@@ -1,15 +1,13 @@
-import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 from tqdm import tqdm
 
-from dflash_cache.choices import CODECS
 from dflash_cache.console.progress import ProgressLog
 from dflash_cache.extract.events import ExtractEvents
-from dflash_cache_cli.options import INT_LIST, LAYER_RULE
+from dflash_cache.extract.options import ExtractOptions
+from dflash_cache_cli.options import config_options
 
 if TYPE_CHECKING:
     from dflash_cache.data.dataset import LoadedData
@@ -18,195 +16,22 @@ if TYPE_CHECKING:
 
 
 @click.command("extract")
-@click.option(
-    "--target",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Hugging Face model directory of the target (loaded in bf16).",
-)
-@click.option(
-    "--data",
-    required=True,
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Conversations JSONL ({'messages': [...]} or ShareGPT {'conversations': [...]}), or pre-tokenized Parquet/Arrow/JSONL with input_ids (and loss_mask). Repeatable.",
-)
-@click.option(
-    "--out",
-    required=True,
-    help="Cache directory to create, or to resume; or an fsspec URL (s3://bucket/prefix, gs://...).",
-)
-@click.option(
-    "--layers", type=INT_LIST, help="Target layer indices to capture, e.g. 1,16,31,46,61 (0-based; layer i's output)."
-)
-@click.option("--num-draft-layers", type=int, help=LAYER_RULE)
-@click.option(
-    "--codec",
-    type=click.Choice(CODECS),
-    default="bf16-zstd",
-    show_default=True,
-    help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.",
-)
-@click.option(
-    "--gpus",
-    type=INT_LIST,
-    help="GPUs to use, one process each, e.g. 0-4. Default: every visible GPU; the CPU when there is none.",
-)
-@click.option(
-    "--token-budget",
-    type=int,
-    help="Tokens (with padding) per target forward. Packed rows hold max(this, the longest sample) tokens. Default: 49152 on a GPU, 4096 on the CPU.",
-)
-@click.option(
-    "--max-length",
-    type=int,
-    default=8192,
-    show_default=True,
-    help="Longer samples are truncated (counted in the summary and manifest).",
-)
-@click.option(
-    "--topk",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Also store the target's top-K ids and log-probs per position.",
-)
-@click.option(
-    "--on-bad-sample",
-    type=click.Choice(["error", "skip"]),
-    default="error",
-    show_default=True,
-    help="A sample with NaN/Inf or an all-zero layer: stop, or skip it and list it in the manifest.",
-)
-@click.option(
-    "--shard-size",
-    type=float,
-    default=512,
-    show_default=True,
-    help="Shard size in MiB (a shard is closed once it reaches this size).",
-)
-@click.option(
-    "--staging",
-    type=click.Path(path_type=Path),
-    help="With a URL --out: local folder for shards until they are uploaded. Default: under the temp folder.",
-)
-@click.option(
-    "--tokenize-workers",
-    type=click.IntRange(min=0),
-    help="Processes tokenizing the data (0 or 1: the main process). Default: one per CPU core.",
-)
-@click.option(
-    "--tokenized-dir",
-    type=click.Path(path_type=Path),
-    help="Where the tokenized data is kept, to be reused by resumed and later extractions of the same data, "
-    "tokenizer and --max-length (an Arrow file that --data also reads). Default: "
-    "$DFLASH_CACHE_TOKENIZED_DIR, else ~/.cache/dflash-cache/tokenized.",
-)
-@click.option(
-    "--on-bad-record",
-    type=click.Choice(["error", "skip"]),
-    default="error",
-    show_default=True,
-    help="A malformed line, a record with nothing to train on or a chat-template error: stop naming file:line, or skip it (counted, and listed with file:line and reason in the manifest).",
-)
-@click.option(
-    "--chat-template-kwargs",
-    "chat_template_kwargs",
-    metavar="JSON",
-    help="Extra chat-template options as a JSON object, e.g. '{\"enable_thinking\": false}' (part of the cache spec).",
-)
-@click.option(
-    "--strict-template",
-    is_flag=True,
-    help="A conversation whose rendered turns differ from what generation sees (prompts that are not prefixes, no end-of-turn token) is a bad record, not a warning (a template that leaves out reasoning or tool calls always makes one).",
-)
-@click.option(
-    "--max-record-bytes",
-    type=click.IntRange(min=1),
-    help="JSONL lines longer than this are bad records, refused unread. Default: 256 bytes per --max-length token, at least 4 MiB.",
-)
-@click.option(
-    "--batching",
-    type=click.Choice(["auto", "packed", "padded"]),
-    default="auto",
-    show_default=True,
-    help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, qwen3_5, qwen2, llama); "
-    "padded: one sample per row, on a few fixed shapes; auto: packed where the target supports it.",
-)
-@click.option(
-    "--kernel-cache",
-    type=click.Path(path_type=Path),
-    help="Folder for compiled and autotuned kernels, kept between runs and shared by the ranks of a node (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR). Default: Triton's own cache.",
-)
-@click.option(
-    "--skip-weights-hash",
-    is_flag=True,
-    help="Identify the target's weights by their sizes, safetensors headers and 1 MiB sampled from each file, instead of hashing every byte once (recorded in the cache spec).",
-)
-def command(
-    target,
-    data,
-    out,
-    layers,
-    num_draft_layers,
-    codec,
-    gpus,
-    token_budget,
-    max_length,
-    topk,
-    on_bad_sample,
-    shard_size,
-    staging,
-    tokenize_workers,
-    tokenized_dir,
-    on_bad_record,
-    chat_template_kwargs,
-    strict_template,
-    max_record_bytes,
-    batching,
-    kernel_cache,
-    skip_weights_hash,
-):
+@config_options(ExtractOptions)
+def command(**options):
     """Run the target once over the data and write its hidden states to a cache.
 
     Rerunning the same command after any interruption resumes without recomputing committed samples.
     """
-    from dflash_cache.extract.pipeline import ExtractOptions, extract
+    from dflash_cache.extract.pipeline import extract
 
-    if shard_size <= 0:
-        raise click.BadParameter("must be positive", param_hint="--shard-size")
-    template_kwargs = _json_object(chat_template_kwargs)
-    opts = ExtractOptions(
-        target=target,
-        data=list(data),
-        out=out,
-        layers=layers,
-        num_draft_layers=num_draft_layers,
-        codec=codec,
-        gpus=gpus,
-        token_budget=token_budget,
-        max_length=max_length,
-        topk=topk,
-        on_bad_sample=on_bad_sample,
-        max_shard_bytes=int(shard_size * (1 << 20)),
-        tokenize_workers=tokenize_workers,
-        staging=staging,
-        on_bad_record=on_bad_record,
-        chat_template_kwargs=template_kwargs,
-        strict_template=strict_template,
-        max_record_bytes=max_record_bytes,
-        tokenized_dir=tokenized_dir,
-        batching=batching,
-        kernel_cache=kernel_cache,
-        hash_weights=not skip_weights_hash,
-    )
-    display = _Display(max_length, terminal=sys.stderr.isatty())
+    opts = ExtractOptions(**options)
+    display = _Display(opts.max_length, terminal=sys.stderr.isatty())
     try:
         summary = extract(opts, display)
     finally:
         display.close()
     if summary.already_complete:
-        click.echo(f"{out}: already complete, nothing to do")
+        click.echo(f"{opts.out}: already complete, nothing to do")
         return
     click.echo(
         f"done: {held_line(summary)}, {summary.wall_s:.1f} s wall, {summary.truncated} truncated, "
@@ -293,22 +118,6 @@ class _Display(ExtractEvents):
 
 def _echo_err(line: str) -> None:
     click.echo(line, err=True)
-
-
-def _json_object(text: str | None) -> dict | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(
-            f"not valid JSON ({e.msg} at column {e.colno})", param_hint="--chat-template-kwargs"
-        ) from None
-    if not isinstance(value, dict):
-        raise click.BadParameter(
-            "must be a JSON object, e.g. '{\"enable_thinking\": false}'", param_hint="--chat-template-kwargs"
-        )
-    return value or None
 
 
 def held_line(summary: "ExtractSummary") -> str:

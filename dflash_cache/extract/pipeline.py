@@ -32,6 +32,7 @@ from dflash_cache.data.tokenized import TokenizedData, tokenized_data
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.events import ExtractEvents
+from dflash_cache.extract.options import TOKEN_BUDGETS, ExtractOptions
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
@@ -46,39 +47,6 @@ from dflash_cache.target.varlen import packed_support
 from dflash_cache.target.warmup import start_background_warmup
 
 HEAD = "target/head.safetensors"
-
-
-# Tokens per target forward by device type. A CPU runs a 135M-parameter target at a few thousand
-# tokens per second: rows of 4,096 tokens take seconds each, so progress moves row by row and the
-# CPU's warm-up row (target/warmup.py) stays small.
-TOKEN_BUDGETS = {"cuda": 49152, "cpu": 4096}
-
-
-@dataclass
-class ExtractOptions:
-    target: Path
-    data: list[Path]
-    out: Path | str  # a folder, or an fsspec URL (s3://bucket/prefix) written through `staging`
-    layers: list[int] | None = None
-    num_draft_layers: int | None = None
-    codec: str = "bf16-zstd"
-    gpus: list[int] | None = None  # None: every visible GPU, or the CPU when there is none
-    token_budget: int | None = None  # tokens per target forward; None: TOKEN_BUDGETS for the device
-    max_length: int = 8192
-    topk: int = 0
-    on_bad_sample: str = "error"
-    max_shard_bytes: int = 512 << 20
-    compress_threads: int | None = None
-    tokenize_workers: int | None = None  # tokenizer processes; None: one per core, 0 or 1: the main process
-    tokenized_dir: Path | None = None  # where tokenized data is kept and reused (None: data.tokenized default)
-    on_bad_record: str = "error"  # a record that cannot be used: stop naming file:line, or skip and list it
-    chat_template_kwargs: dict | None = None  # extra chat-template options (enable_thinking...), part of the spec
-    strict_template: bool = False  # a template that does not render a conversation faithfully is a bad record
-    max_record_bytes: int | None = None  # longer JSONL lines are bad records; None: from max_length
-    batching: str = "auto"  # packed | padded | auto (packed where the target supports it exactly)
-    kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see target/warmup.py)
-    staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
-    hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (target/weights.py)
 
 
 @dataclass
