@@ -247,6 +247,11 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        self._check_schedule()
+        self._check_objective()
+        self._check_devices()
+
+    def _check_schedule(self) -> None:
         if self.keep_last < 0:
             raise DFlashCacheError(f"--keep-last must be at least 0 (got {self.keep_last})")
         if self.save_every < 0:
@@ -265,6 +270,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--warmup must be at least 0 (got {self.warmup})")
         if self.seed < 0:
             raise DFlashCacheError(f"--seed must be at least 0 (got {self.seed})")
+
+    def _check_objective(self) -> None:
         if self.labels not in ("target", "tokens"):
             raise DFlashCacheError(f"--labels must be target or tokens (got {self.labels!r})")
         if self.loss not in LOSSES:
@@ -281,6 +288,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--weight-decay must be at least 0 (got {self.weight_decay})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise DFlashCacheError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+
+    def _check_devices(self) -> None:
         if self.collective_timeout_s <= 0:
             raise DFlashCacheError(f"--collective-timeout must be positive (got {self.collective_timeout_s})")
         if self.cpu_procs < 0:
