@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dflash_cache import DFlashCacheError, open_cache
-from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
+from dflash_cache.target.runner import TargetRunner
 from tests.support.cli import invoke, shell_command, spawn, wait_until_stopped
 from tests.support.extract import SHARD_BYTES, assert_same_cache, extract_args, run_extract
 from tests.support.fulldisk import fill_at
@@ -246,7 +246,7 @@ def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     from dflash_cache.data.dataset import Sample
     from dflash_cache.extract.buckets import BucketLayout
     from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
-    from dflash_cache.extract.target import load_target
+    from dflash_cache.target.target import load_target
 
     target = load_target(build_target(tmp_path / "wide", "qwen3", hidden=1024), "cuda:0")
     runner = TargetRunner(target, [1, 4])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cache.store.shard import ShardReader
+from dflash_cache.store.reader import ShardReader
 from tests.support.cli import cli, one_line_error
 from tests.support.train import drafter_json, make_cache, tiny_train_config
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.checkpoint import save_drafter
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.stream.batch import FeatureBatch
 from tests.support.extract import LAYERS
 
 HIDDEN = 32
