@@ -62,4 +62,4 @@ def wait_until_stopped(proc: subprocess.Popen, timeout: float = 240) -> None:
             if f.read().rsplit(")", 1)[1].split()[0] == "T":
                 return
         time.sleep(0.2)
-    raise TimeoutError("the first extract never reached its stop point")
+    raise TimeoutError(f"pid {proc.pid} never reached its stop point")
