@@ -1,6 +1,6 @@
 """Extraction and a training run that follows it (`train --follow`) on one GPU at once, against each alone.
 
-    python -m benchmarks.follow --work /tmp/follow [--shape qwen3-0.6b] [--tokens 1500000] [--token-budget 16384]
+    python -m benchmarks.follow --work /tmp/follow [--shape qwen3-0.6b] [--tokens 3000000] [--token-budget 49152]
         [--command "dflash-cache"] [--json FILE]      # BENCHMARKS.md, "Training beside its extraction"
     python -m benchmarks.follow --work /tmp/follow --shape tiny --tokens 20000 --token-budget 2048 --device cpu
 
@@ -135,8 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/follow"))
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--tokens", type=int, default=1_500_000)
-    parser.add_argument("--token-budget", type=int, default=16384, help="train --token-budget")
+    parser.add_argument("--tokens", type=int, default=3_000_000)
+    parser.add_argument("--token-budget", type=int, default=49152, help="train --token-budget (its default on a GPU)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--command", default="dflash-cache", help="how to call the CLI")
     parser.add_argument("--json", type=Path)
