@@ -92,6 +92,7 @@ VARIANTS = {
     "topk": Variant(f"distillation toward the target's top-{TOPK}", train=("--loss", "topk"), cache="topk"),
 }
 PEER = "speculators"  # speculators 0.9.0's trainer, beside ours
+PEER_TRAIN_RATIO = 0.99  # its --train-data-ratio: the rest is its validation split
 EVAL_SETS = {"humaneval": "data/humaneval_heldout.jsonl", "questions": "data/questions_heldout.jsonl"}
 
 
@@ -398,6 +399,12 @@ def speculators_export(config: QualityConfig) -> Path:
         )
     steps = train_steps(config)
     mask = json.loads((config.work / "exports" / "base" / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    # Its --max-steps ends an epoch, not the run (speculators/train/trainer.py: the step loop breaks,
+    # run_training goes on with the next of --epochs, one step each), so the epochs must end the run:
+    # as many as the steps need at the fewest packed batches an epoch can have (the train split's tokens
+    # over --total-seq-len), at most a step or two over where packing leaves an epoch more batches.
+    tokens = json.loads((extract(config, "speculators") / "manifest.json").read_text())["totals"]["tokens"]
+    epochs = math.ceil(steps / math.ceil(PEER_TRAIN_RATIO * tokens / config.batch_tokens))
     command(
         config,
         [
@@ -428,9 +435,9 @@ def speculators_export(config: QualityConfig) -> Path:
             "--max-steps",
             str(steps),
             "--epochs",
-            "1000",
+            str(epochs),
             "--train-data-ratio",
-            "0.99",
+            str(PEER_TRAIN_RATIO),
             "--on-missing",
             "raise",
             "--num-workers",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.choices import DPACE_ALPHA, LOSSES
+from dflash_cache.choices import DEFAULT_LOSS, DPACE_ALPHA, LOSSES
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.remote import is_remote
 
@@ -40,7 +40,7 @@ class TrainConfig:
     anchors_per_batch: int | None = None
     gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
     labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
-    loss: str = LOSSES[0]  # the training objective, one of LOSSES (drafter/loss.py)
+    loss: str = DEFAULT_LOSS  # the training objective, one of LOSSES (drafter/loss.py)
     dpace_alpha: float = DPACE_ALPHA  # with loss "dpace": each slot's confidence q counts as alpha + (1 - alpha) q
     compile: bool = False
     compile_backend: str = "inductor"
@@ -206,7 +206,7 @@ class TrainConfig:
             kept["anchors_per_batch"] = self.anchors_per_batch
         if self.follow:  # likewise
             kept["follow"] = True
-        if self.loss != LOSSES[0]:  # likewise
+        if self.loss != LOSSES[0]:  # likewise: the runs that record no loss trained with LOSSES[0]
             kept["loss"] = self.loss
             if self.loss == "dpace":
                 kept["dpace_alpha"] = self.dpace_alpha
