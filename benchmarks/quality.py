@@ -79,7 +79,7 @@ class Variant:
 
 
 VARIANTS = {
-    "base": Variant("block 16, default loss, lr and anchors, regenerated answers, bf16-zstd"),
+    "base": Variant("block 16, default loss (dpace), lr and anchors, regenerated answers, bf16-zstd"),
     "block8": Variant("block 8", block_size=8),
     "anchors32": Variant("at most 32 blocks per sequence", train=("--max-anchors", "32")),
     "anchors512": Variant("at most 512 blocks per batch (speculators' default)", train=("--anchors-per-batch", "512")),
@@ -88,7 +88,7 @@ VARIANTS = {
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),
-    "dpace": Variant("D-PACE loss (speculators 0.9.0's default)", train=("--loss", "dpace")),
+    "dflash": Variant("DFlash's decayed cross-entropy (the default before dpace)", train=("--loss", "dflash")),
     "topk": Variant(f"distillation toward the target's top-{TOPK}", train=("--loss", "topk"), cache="topk"),
 }
 PEER = "speculators"  # speculators 0.9.0's trainer, beside ours
