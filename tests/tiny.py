@@ -7,7 +7,18 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -48,6 +59,14 @@ def build_tokenizer(vocab_size: int = 384, chat_template: str | None = CHAT_TEMP
     return fast
 
 
+SLIDING_WINDOW = 16
+
+
+def every(period: int, kind: str, num_layers: int) -> list[str]:
+    """Layer kinds of a hybrid model: `kind`, with full attention every `period`-th layer."""
+    return ["full_attention" if i % period == period - 1 else kind for i in range(num_layers)]
+
+
 def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int = 64):
     common = dict(
         vocab_size=vocab_size,
@@ -62,15 +81,33 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
     )
     if arch == "qwen3":
         return Qwen3Config(**common)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    experts = dict(moe_intermediate_size=hidden // 2, num_experts=4, num_experts_per_tok=2)
+    # A window shorter than the test samples, so that it binds.
+    sliding = dict(sliding_window=SLIDING_WINDOW, layer_types=every(2, "sliding_attention", num_layers))
     if arch == "qwen3_5":
-        return Qwen3_5TextConfig(
+        return Qwen3_5TextConfig(**common, **linear, layer_types=every(3, "linear_attention", num_layers))
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":  # Mistral-7B-v0.3 and later: no sliding window
+        return MistralConfig(**common, sliding_window=None)
+    if arch == "mistral_sliding":  # Mistral-7B-v0.1's sliding window
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW)
+    if arch == "gemma3_text":
+        return Gemma3TextConfig(**common, query_pre_attn_scalar=16, **sliding)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **experts, decoder_sparse_step=1)
+    if arch == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        return Qwen3_5MoeTextConfig(
             **common,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            layer_types=["linear_attention", "linear_attention", "full_attention"] * (num_layers // 3),
+            **linear,
+            **experts,
+            shared_expert_intermediate_size=hidden // 2,
+            layer_types=every(4, "linear_attention", num_layers),
         )
+    if arch == "gpt_oss":
+        return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, **sliding)
     raise ValueError(arch)
 
 
