@@ -95,6 +95,8 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW)
     if arch == "gemma3_text":
         return Gemma3TextConfig(**common, query_pre_attn_scalar=16, **sliding)
+    if arch == "gemma3_text_wide":  # a window as long as extraction's default --max-length: it never binds
+        return Gemma3TextConfig(**common, query_pre_attn_scalar=16, **dict(sliding, sliding_window=8192))
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, **experts, decoder_sparse_step=1)
     if arch == "qwen3_5_moe":
@@ -107,7 +109,9 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
             layer_types=every(4, "linear_attention", num_layers),
         )
     if arch == "gpt_oss":
-        return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, **sliding)
+        # YaRN stretching the 2,048 positions from 64, so that its factor is the one it states
+        rope = dict(GptOssConfig().rope_parameters, original_max_position_embeddings=64)
+        return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope, **sliding)
     raise ValueError(arch)
 
 
@@ -119,6 +123,11 @@ def build_target(directory: Path, arch: str, num_layers: int = 6, seed: int = 0,
     # Random init gives near-uniform logits; sharpen the head so argmax is well separated.
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
+        # Experts likewise: random routers score experts nearly alike, and a rounding step then
+        # flips which ones a token takes.
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.mul_(20.0)
     directory.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -51,9 +51,9 @@ from dflash_cache.store.remote import RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
 from dflash_cache.target.batch import Layout
+from dflash_cache.target.families import Batching, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
 from dflash_cache.target.target import resolve_layer_ids
-from dflash_cache.target.varlen import packed_support
 from dflash_cache.target.warmup import start_background_warmup
 
 HEAD = "target/head.safetensors"
@@ -177,15 +177,12 @@ def _remove_uncommitted(root: Path, committed: set[str], ranks: list[int] | None
             path.unlink()
 
 
-def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length: int, longest: int) -> Layout:
-    """Packed rows of max(token budget, longest sample) tokens where the target runs them exactly;
+def choose_layout(batching: Batching, token_budget: int, max_length: int, longest: int) -> Layout:
+    """Packed rows of max(token budget, longest sample) tokens where they are exact for the target;
     else padded batches on a fixed set of shapes."""
-    reason = packed_support(info.config.get_text_config())
-    if batching == "packed" and reason is not None:
-        raise DFlashCacheError(f"--batching packed: {reason}; use --batching padded")
-    if batching == "padded" or reason is not None:
-        return BucketLayout(token_budget, max_length)
-    return PackedLayout(max(token_budget, longest))
+    if batching.packed:
+        return PackedLayout(max(token_budget, longest))
+    return BucketLayout(token_budget, max_length)
 
 
 def extract(
@@ -204,6 +201,7 @@ def extract(
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
+    batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
     if dist is None:
         devices = _devices(opts.gpus)
@@ -225,11 +223,7 @@ def extract(
     writing = False  # until then a failed run leaves the folder as it found it
     warmup = None
     try:
-        if (
-            opts.batching != "padded"
-            and packed_support(info.config.get_text_config()) is None
-            and (dist is None or dist[2] == 0)
-        ):
+        if batching.packed and (dist is None or dist[2] == 0):
             # Rows are max(token budget, longest sample) long: the budget, unless a sample is longer.
             warmup = start_background_warmup(
                 Path(opts.target), PackedLayout(budget), devices[0], opts.kernel_cache, info.config.get_text_config()
@@ -256,7 +250,7 @@ def extract(
                 f"the data files hold no samples with tokens to train on ({len(data.info.bad_records)} bad records, "
                 f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
             )
-        layout = choose_layout(info, opts.batching, budget, opts.max_length, int(data.lengths.max()))
+        layout = choose_layout(batching, budget, opts.max_length, int(data.lengths.max()))
         spec = make_spec(
             info,
             layer_ids,
@@ -290,7 +284,9 @@ def extract(
             _remove_uncommitted(root, state.committed, ranks)
         batches = kept_plan(data, layout)  # mapped from a file: each rank lists only its own share
         left = len(data.sample_ids) - state.done.count()
-        on_plan(left, int(data.lengths.sum()) - state.done.total(data.lengths), layout.describe())
+        on_plan(
+            left, int(data.lengths.sum()) - state.done.total(data.lengths), f"{layout.describe()}: {batching.reason}"
+        )
         threads = opts.compress_threads or max(2, (os.cpu_count() or 2) // len(devices))
         jobs = []
         complete = not left and state.target_files is not None and _exists(store, HEAD)

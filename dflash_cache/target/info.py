@@ -10,10 +10,12 @@ from pathlib import Path
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
 from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.target.families import missing_parts
 
 SUPPORTED = (
-    "dense decoders whose layers are `model.model.layers` (Qwen3, Llama and alike) "
-    "and hybrid qwen3_5 text or multimodal checkpoints"
+    "decoders with layers at `model.model.layers` and a final norm at `model.model.norm`: dense (qwen3, llama, "
+    "mistral, gemma3_text and alike), hybrid qwen3_5 (text or multimodal checkpoints), mixture-of-experts "
+    "(qwen3_moe, qwen3_5_moe, gpt_oss)"
 )
 # Any one of these is enough for AutoTokenizer to build a tokenizer from a local directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -60,6 +62,11 @@ def read_target_info(path: str | Path) -> TargetInfo:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = getattr(config, "model_type", "?")
         raise DFlashCacheError(f"target {path}: model type '{kind}' is not a causal LM; supported: {SUPPORTED}")
+    missing = missing_parts(config)
+    if missing:
+        raise DFlashCacheError(
+            f"target {path}: model type '{config.model_type}' has no {', no '.join(missing)}; supported: {SUPPORTED}"
+        )
     text = config.get_text_config()
     return TargetInfo(
         path=path,

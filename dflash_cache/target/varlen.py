@@ -11,13 +11,12 @@ Every layer must respect the boundaries given as cumulative sequence lengths (`c
   gated delta rule) take the sequence lengths through flash-linear-attention's kernels, or run one
   sample at a time through the reference torch code when it is not installed or on the CPU.
 
-`packed_support` says whether a target can run packed; `packed_kernels` is the scope in which the
-linear-attention functions of `qwen3_5` respect the boundaries.
+target/families.py says which targets run packed; `packed_kernels` is the scope in which the
+linear-attention functions of the qwen3_5 families (dense and mixture-of-experts) respect the boundaries.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +27,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash_cache.target.families import linear_attention_module
+
 ATTENTION = "packed_rows"  # no "flash" in the name: transformers takes such names for flash-attention kernels
-# Dense decoders whose attention goes through the attention interface with rotary positions from
-# `position_ids`, and the hybrid qwen3_5 whose linear-attention functions are swapped below.
-DENSE_PACKABLE = ("qwen3", "qwen2", "llama")
+# The hybrid family whose modules target/fused.py swaps.
 HYBRID_PACKABLE = ("qwen3_5", "qwen3_5_text")
 QWEN3_5_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
@@ -102,26 +101,6 @@ def _varlen_params() -> tuple[str, ...]:
 AttentionInterface.register(ATTENTION, varlen_attention)
 
 
-def packed_support(config) -> str | None:
-    """None when the target (its text config) can run packed rows exactly, else the reason it cannot."""
-    kind = getattr(config, "model_type", "?")
-    if kind not in DENSE_PACKABLE + HYBRID_PACKABLE:
-        return f"model type '{kind}' has no packed path here"
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return "sliding-window attention is not packed here"
-    if kind in DENSE_PACKABLE and torch.cuda.is_available() and not _has_varlen_attn():
-        return "this torch has no torch.nn.attention.varlen"
-    return None
-
-
-def _has_varlen_attn() -> bool:
-    try:
-        importlib.import_module("torch.nn.attention.varlen")
-        return True
-    except ImportError:
-        return False
-
-
 @lru_cache(maxsize=1)
 def linear_attention_kernels():
     """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule), or None when not installed."""
@@ -145,12 +124,13 @@ def _rule_options(kwargs: dict) -> dict:
 
 @contextmanager
 def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
-    """While active, the linear-attention layers of a qwen3_5 `model` respect packed boundaries
-    (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
-    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+    """While active, the linear-attention layers of a qwen3_5 or qwen3_5_moe `model` respect packed
+    boundaries (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
+    config = model.config.get_text_config()
+    if "linear_attention" not in (getattr(config, "layer_types", None) or []):
         yield
         return
-    module = importlib.import_module(QWEN3_5_MODULE)
+    module = linear_attention_module(config)
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
     # The reference torch code under transformers' kernel dispatch, for one sample at a time (the
     # dispatch would send CPU tensors to flash-linear-attention where it is installed).

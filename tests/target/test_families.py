@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, PhiConfig
 
-from dflash_cache import open_cache
+from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from tests.tiny import build_target
+from tests.tiny import build_target, build_tokenizer
 
+TOLERANCE = 0.03
 LENGTHS = [40, 23, 57, 9, 31, 64]
 # By hand, from what each family's layers compute: packed rows where every layer can be told where
 # a sample ends (causal attention over the whole sample, per-token experts, linear attention with
@@ -24,6 +25,7 @@ BATCHING = {
     "qwen3_5": "packed",
     "qwen3_moe": "packed",
     "qwen3_5_moe": "packed",
+    "gemma3_text_wide": "packed",
     "mistral_sliding": "padded",
     "gemma3_text": "padded",
     "gpt_oss": "padded",
@@ -66,11 +68,14 @@ def check_family(arch: str, tmp_path, device: str) -> None:
             reference(sample.input_ids[None].long())
         hook.remove()
         expected = torch.cat([*(out.hidden_states[i + 1][0] for i in range(3)), final[0]], dim=-1)
-        # Other batch shapes round bf16 differently; a wrong mask or position is off by far more.
-        torch.testing.assert_close(sample.hidden.float(), expected.float(), atol=3e-2, rtol=3e-2)
+        # Other batch shapes round bf16 differently, by up to a few bf16 steps of each layer's
+        # largest state; a wrong mask, position or expert is off by a sizeable part of it.
+        for got, want in zip(sample.hidden.float().chunk(4, -1), expected.float().chunk(4, -1)):
+            assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
         logits = out.logits[0].float()
         gap = logits.amax(-1) - logits.gather(1, sample.target_ids[:, None].long())[:, 0]
-        assert (gap <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().amax(-1)).all()
+        # A label may differ only where the states' rounding can reorder the top logits.
+        assert (gap <= TOLERANCE * logits.abs().amax(-1)).all()
         assert (gap == 0).float().mean() >= 0.9
 
 
@@ -83,3 +88,22 @@ def test_family_extracts_its_hf_forward(arch, tmp_path):
 @pytest.mark.parametrize("arch", list(BATCHING))
 def test_family_extracts_its_hf_forward_on_a_gpu(arch, tmp_path):
     check_family(arch, tmp_path, "cuda")
+
+
+@pytest.mark.parametrize(
+    ("config", "missing"),
+    [
+        (GPT2Config(n_embd=32, n_layer=2, n_head=2), "no decoder-layer list at model.model.layers, no final norm"),
+        (PhiConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2), "no final norm with a weight"),
+    ],
+)
+def test_an_unsupported_family_is_refused_from_its_config(config, missing, tmp_path):
+    """No weight file at all: the refusal comes before any would load."""
+    config.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    data = pretokenized(tmp_path / "data.jsonl", 64)
+    with pytest.raises(DFlashCacheError) as refused:
+        extract(ExtractOptions(target=tmp_path, data=[data], out=tmp_path / "cache"))
+    message = str(refused.value)
+    assert f"model type '{config.model_type}' has {missing}" in message and "\n" not in message
+    assert not (tmp_path / "cache").exists()
