@@ -128,13 +128,22 @@ if TYPE_CHECKING:
     type=click.Choice(["auto", "packed", "padded"]),
     default="auto",
     show_default=True,
-    help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, qwen3_5, qwen2, llama); "
-    "padded: one sample per row, on a few fixed shapes; auto: packed where the target supports it.",
+    help="packed: samples concatenated into rows of one fixed size, each sample seeing only itself (where exact for the "
+    "target's family: dense qwen2, qwen3, llama, mistral and gemma3_text with no sliding window shorter than --max-length, "
+    "qwen3_moe, qwen3_5, qwen3_5_moe); padded: one sample per row, on a few fixed shapes; auto: packed where exact.",
 )
 @click.option(
     "--kernel-cache",
     type=click.Path(path_type=Path),
     help="Folder for compiled and autotuned kernels, kept between runs and shared by the ranks of a node (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR). Default: Triton's own cache.",
+)
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes of a torchrun launch that hold one copy of the target between them, split by transformers' "
+    "tensor-parallel plan (a target larger than one GPU). Each such group is one extraction rank.",
 )
 @click.option(
     "--skip-weights-hash",
@@ -164,6 +173,7 @@ def command(
     batching,
     kernel_cache,
     skip_weights_hash,
+    tp,
 ):
     """Run the target once over the data and write its hidden states to a cache.
 
@@ -197,6 +207,7 @@ def command(
         batching=batching,
         kernel_cache=kernel_cache,
         hash_weights=not skip_weights_hash,
+        tp=tp,
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk
@@ -274,6 +285,9 @@ def command(
         bar.close()
     if summary.already_complete:
         click.echo(f"{out}: already complete, nothing to do")
+        return
+    if summary.beside_writer:
+        click.echo("done: this process ran its part of the split target; process 0 wrote the cache")
         return
     click.echo(
         f"done: {held_line(summary)}, {summary.wall_s:.1f} s wall, {summary.truncated} truncated, "

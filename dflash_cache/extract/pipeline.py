@@ -53,6 +53,7 @@ from dflash_cache.store.staging import Uploader, default_staging
 from dflash_cache.target.batch import Layout
 from dflash_cache.target.families import Batching, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
+from dflash_cache.target.parallel import group_of, join_launch
 from dflash_cache.target.target import resolve_layer_ids
 from dflash_cache.target.warmup import start_background_warmup
 
@@ -90,6 +91,7 @@ class ExtractOptions:
     kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see target/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
     hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (target/weights.py)
+    tp: int = 1  # processes of a torchrun launch that hold one copy of the target between them (target/parallel.py)
 
 
 @dataclass
@@ -105,6 +107,7 @@ class ExtractSummary:
     bad_records: int = 0  # records left out by --on-bad-record skip (listed in the manifest)
     untrainable: int = 0  # samples left out with nothing to train on within --max-length
     manifest: dict | None = None
+    beside_writer: bool = False  # a tensor-parallel process that computed its part while process 0 wrote
 
 
 def _devices(gpus: list[int] | None) -> list[str]:
@@ -128,6 +131,11 @@ def _torchrun() -> tuple[int, int, int] | None:
 
 def _check_options(opts: ExtractOptions) -> None:
     check_codec(opts.codec)
+    if opts.tp != 1 and _torchrun() is None:
+        raise DFlashCacheError(
+            f"--tp {opts.tp} splits the target over the processes of a torchrun launch: "
+            f"start extract with torchrun --nproc-per-node {opts.tp}"
+        )
     if opts.token_budget is not None and opts.token_budget < 1:
         raise DFlashCacheError(f"--token-budget must be positive, got {opts.token_budget}")
     if opts.max_length < 2:
@@ -203,13 +211,16 @@ def extract(
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
     batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
+    group = None
     if dist is None:
         devices = _devices(opts.gpus)
         rank_ids, world = list(range(len(devices))), len(devices)
     else:
         rank, world, local = dist
         devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
-        rank_ids = [rank]
+        group = group_of(rank, world, opts.tp) if opts.tp > 1 else None
+        rank_ids, world = ([rank], world) if group is None else ([0], 1)  # a group is one rank
+    writes = group is None or group.writes  # the other processes of a group compute beside its writer
     budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     remote = RemoteDir(str(opts.out)) if is_remote(opts.out) else None
     root = (Path(opts.staging) if opts.staging else default_staging(remote.url)) if remote else local_path(opts.out)
@@ -264,6 +275,8 @@ def extract(
         )
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs
+        if opts.tp > 1:  # a split target sums its matmuls in another order: other bf16 roundings
+            spec["tensor_parallel"] = opts.tp
         ranks = None if dist is None else rank_ids  # whose shard files this process may delete
         state = scan_journals(store, data.rows_of, len(data.sample_ids), ranks)
         if state.spec is not None and state.spec != spec:
@@ -273,15 +286,22 @@ def extract(
             raise DFlashCacheError(
                 f"{store} has a manifest but no journals; it was not written by extract, use another --out"
             )
-        writing = True
-        for rank in rank_ids:  # this run's own journals only: another launch's ranks may be appending to theirs
-            _cut_torn_journal(root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)
-        if remote is not None:
-            for rank in rank_ids:
-                Uploader(remote, root, rank).reconcile(spec)
-            state = scan_journals(remote, data.rows_of, len(data.sample_ids), ranks)
-        else:
-            _remove_uncommitted(root, state.committed, ranks)
+        writing = writes
+        if writes:
+            for rank in rank_ids:  # this run's own journals only: another launch's ranks may be appending to theirs
+                _cut_torn_journal(root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)
+            if remote is not None:
+                for rank in rank_ids:
+                    Uploader(remote, root, rank).reconcile(spec)
+                state = scan_journals(remote, data.rows_of, len(data.sample_ids), ranks)
+            else:
+                _remove_uncommitted(root, state.committed, ranks)
+        if group is not None:
+            # A group's processes must run the same batches: the others read what is done once its
+            # writer has repaired its journals.
+            join_launch(devices[0])
+            if not writes:
+                state = scan_journals(store, data.rows_of, len(data.sample_ids), ranks)
         batches = kept_plan(data, layout)  # mapped from a file: each rank lists only its own share
         left = len(data.sample_ids) - state.done.count()
         on_plan(
@@ -313,11 +333,12 @@ def extract(
                     # Again when a run died before journaling their hashes (a head file may be partial).
                     write_target_files=rank == 0 and (state.target_files is None or not _exists(store, HEAD)),
                     kernel_cache=opts.kernel_cache,
-                    uploader=None if remote is None else Uploader(remote, root, rank),
+                    uploader=None if remote is None or not writes else Uploader(remote, root, rank),
+                    group=group,
                 )
             )
         summaries = _run_jobs(jobs, on_progress)
-        manifest = _finalise(store, data, data.info.report())
+        manifest = _finalise(store, data, data.info.report()) if writes else None
     except BaseException:
         _stop(warmup)
         lock.release(discard=not writing)
@@ -338,6 +359,7 @@ def extract(
         untrainable=len(data.info.untrainable),
         already_complete=not left,
         manifest=manifest,
+        beside_writer=not writes,
     )
 
 

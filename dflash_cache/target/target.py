@@ -18,6 +18,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.target.families import padded_attention
 from dflash_cache.target.info import read_target_info
 from dflash_cache.target.loading_bars import no_loading_bars
+from dflash_cache.target.parallel import Group, load_split
 
 
 @dataclass
@@ -42,18 +43,26 @@ class Target:
 
 
 def load_target(
-    path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, attention: str | None = None
+    path: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: str | None = None,
+    group: Group | None = None,
 ) -> Target:
     """`attention`: target/varlen.py's implementation for packed rows, or None: the family's own for
-    padded batches (target/families.py)."""
+    padded batches (target/families.py); `group`: this process's tensor-parallel group, whose
+    ranks each hold a part of the target (target/parallel.py)."""
     info = read_target_info(path)
     path = info.path
     attention = attention or padded_attention(info.config.get_text_config(), device)
-    # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
     with no_loading_bars():
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention, local_files_only=True
-        ).to(device)
+        if group is not None and group.size > 1:
+            model = load_split(path, dtype, attention, group)
+        else:
+            # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attention, local_files_only=True
+            ).to(device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return Target(

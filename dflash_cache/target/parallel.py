@@ -1,0 +1,79 @@
+"""A target larger than one device, split by transformers' own tensor parallelism under torchrun.
+
+The processes of a launch form a group that holds one copy of the target, split over them by the
+model's tensor-parallel plan; the group is one extraction rank: its first process writes, the
+others compute beside it.
+
+Several groups in one launch (data parallel across them) are refused: transformers builds its
+device mesh over the whole launch, and its data-parallel replicas are FSDP modules, which neither
+run under inference mode nor let the final norm and the LM head be called apart from the whole
+model, as target/runner.py calls them ("Inference tensors do not track version counter", "FSDP
+requires a single root module").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from dflash_cache.errors import DFlashCacheError
+
+# Loading a split target takes each process through every weight file: far longer than a collective's default wait.
+LAUNCH_TIMEOUT = timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where one torchrun process stands in the launch's tensor-parallel group."""
+
+    member: int  # this process's place in the group; 0 writes
+    size: int  # processes in the group (--tp)
+
+    @property
+    def writes(self) -> bool:
+        return self.member == 0
+
+
+def group_of(rank: int, world: int, tp: int) -> Group:
+    if world != tp:
+        raise DFlashCacheError(
+            f"--tp {tp} with {world} processes: a launch holds one tensor-parallel copy of the target, "
+            f"start torchrun with --nproc-per-node {tp} (one copy per launch; run the data in parts for more)"
+        )
+    return Group(rank, tp)
+
+
+def join_launch(device: str) -> None:
+    """Wait until every process of the torchrun launch is here, starting torch.distributed's process
+    group if it is not yet (transformers then loads the split target on it)."""
+    if not dist.is_initialized():
+        cuda = torch.device(device).type == "cuda"
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None, timeout=LAUNCH_TIMEOUT
+        )
+    dist.barrier()
+
+
+def tensor_parallel_kwargs(group: Group) -> dict:
+    """from_pretrained's arguments splitting the target over the group's processes."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # a transformers from before its native distributed loading
+        return {"tp_plan": "auto", "tp_size": group.size}
+    return {"distributed_config": DistributedConfig(tp_size=group.size)}
+
+
+def load_split(path, dtype: torch.dtype, attention: str, group: Group):
+    """The target's *ForCausalLM, this process's part of it on its own device."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention, local_files_only=True, **tensor_parallel_kwargs(group)
+    )
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on every rank of its group (a collective for a split one: every rank calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

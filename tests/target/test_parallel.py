@@ -1,0 +1,76 @@
+"""A target split over two processes by transformers' tensor parallelism (torchrun, gloo on the CPU)
+stores what one process stores, up to bf16 rounding: the split matmuls sum their halves in another order."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_cache import DFlashCacheError, open_cache
+from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.target.parallel import group_of
+from dflash_cache.train.distributed import free_port
+from tests.tiny import build_target, write_conversations
+
+LAYERS = [1, 4]
+TOLERANCE = 0.03  # of each layer's largest state, as in test_families.py
+
+
+def test_tp_outside_torchrun_or_over_another_process_count_is_refused(tmp_path):
+    with pytest.raises(DFlashCacheError, match="--tp 2 splits the target over the processes of a torchrun launch"):
+        extract(ExtractOptions(target=tmp_path, data=[], out=tmp_path / "cache", tp=2))
+    with pytest.raises(DFlashCacheError, match="--tp 2 with 4 processes.*--nproc-per-node 2"):
+        group_of(0, 4, 2)
+    assert group_of(1, 2, 2).writes is False and group_of(0, 2, 2).writes is True
+
+
+@pytest.mark.slow  # torchrun's agent and two workers
+def test_two_process_tensor_parallel_extraction_equals_one_process(tmp_path):
+    target = build_target(tmp_path / "target", "qwen3")
+    data = write_conversations(tmp_path / "data.jsonl", count=8, seed=3)
+    options = dict(target=target, data=[data], layers=LAYERS, token_budget=300)
+    extract(ExtractOptions(out=tmp_path / "one", **options))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dflash_cache_cli.main",
+        "extract",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "two"),
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--token-budget",
+        "300",
+        "--tp",
+        "2",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "process 0 wrote the cache" in run.stdout
+    one, two = open_cache(tmp_path / "one"), open_cache(tmp_path / "two")
+    assert two.spec == {**one.spec, "tensor_parallel": 2}
+    assert sorted(one) == sorted(two) == list(range(8))
+    agree = total = 0
+    for sid in sorted(one):
+        a, b = one[sid], two[sid]
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+        for x, y in zip(a.hidden.float().chunk(2, -1), b.hidden.float().chunk(2, -1)):
+            assert (x - y).abs().max() <= TOLERANCE * x.abs().max()
+        agree += int((a.target_ids == b.target_ids).sum())
+        total += len(a.target_ids)
+    assert agree >= 0.95 * total
+    # The cache records the split: a run without it is another spec, not a resume.
+    with pytest.raises(DFlashCacheError, match="tensor_parallel"):
+        extract(ExtractOptions(out=tmp_path / "two", **options))
