@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, PhiConfig
 
 from dflash_cache import DFlashCacheError, open_cache
+from dflash_cache.drafter.defaults import target_drafter_config
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from tests.tiny import build_target, build_tokenizer
 
@@ -107,3 +108,16 @@ def test_an_unsupported_family_is_refused_from_its_config(config, missing, tmp_p
     message = str(refused.value)
     assert f"model type '{config.model_type}' has {missing}" in message and "\n" not in message
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("arch", "ffn"), [("qwen3_moe", 128), ("gpt_oss", 128), ("qwen3_5_moe", 2 * 32 + 32)])
+def test_the_default_drafter_of_a_mixture_of_experts_target(arch, ffn, tmp_path):
+    """The dense FFN width the config gives (qwen3_moe's, gpt_oss's), else 2 experts per token of 32
+    plus a shared expert of 32 (tests/tiny.py's qwen3_5_moe)."""
+    config = target_drafter_config(build_target(tmp_path / arch, arch, num_layers=4), [0, 1, 2, 3], mask_token_id=5)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_dim) == (
+        64,
+        ffn,
+        4,
+        16,
+    )
