@@ -53,7 +53,7 @@ from dflash_cache.store.staging import Uploader, default_staging
 from dflash_cache.target.batch import Layout
 from dflash_cache.target.families import Batching, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
-from dflash_cache.target.parallel import group_of, join_launch
+from dflash_cache.target.parallel import check_fits, group_of, join_launch
 from dflash_cache.target.target import resolve_layer_ids
 from dflash_cache.target.warmup import start_background_warmup
 
@@ -221,6 +221,8 @@ def extract(
         group = group_of(rank, world, opts.tp) if opts.tp > 1 else None
         rank_ids, world = ([rank], world) if group is None else ([0], 1)  # a group is one rank
     writes = group is None or group.writes  # the other processes of a group compute beside its writer
+    if torch.device(devices[0]).type == "cuda":
+        check_fits(info.parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
     budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     remote = RemoteDir(str(opts.out)) if is_remote(opts.out) else None
     root = (Path(opts.staging) if opts.staging else default_staging(remote.url)) if remote else local_path(opts.out)

@@ -121,11 +121,15 @@ def _has_varlen_attn() -> bool:
         return False
 
 
-def missing_parts(config) -> list[str]:
-    """What extraction needs that the model built from `config` lacks, found on the meta device (no
-    weights, no memory): the decoder-layer list it hooks, the final norm and the LM head a cache keeps."""
+def meta_model(config) -> nn.Module:
+    """The *ForCausalLM `config` builds, on the meta device: its modules and shapes, no weights, no memory."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def missing_parts(model: nn.Module, config) -> list[str]:
+    """What extraction needs that `model` (the meta_model of `config`) lacks: the decoder-layer list
+    it hooks, the final norm and the LM head a cache keeps."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     missing = []

@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
 from dflash_cache.errors import DFlashCacheError, first_line
-from dflash_cache.target.families import missing_parts
+from dflash_cache.target.families import meta_model, missing_parts
 
 SUPPORTED = (
     "decoders with layers at `model.model.layers` and a final norm at `model.model.norm`: dense (qwen3, llama, "
@@ -30,6 +30,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     config_hash: str
+    parameters: int  # the model's, as its config builds it
 
 
 def config_hash(config_file: Path) -> str:
@@ -62,7 +63,8 @@ def read_target_info(path: str | Path) -> TargetInfo:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = getattr(config, "model_type", "?")
         raise DFlashCacheError(f"target {path}: model type '{kind}' is not a causal LM; supported: {SUPPORTED}")
-    missing = missing_parts(config)
+    model = meta_model(config)
+    missing = missing_parts(model, config)
     if missing:
         raise DFlashCacheError(
             f"target {path}: model type '{config.model_type}' has no {', no '.join(missing)}; supported: {SUPPORTED}"
@@ -76,4 +78,5 @@ def read_target_info(path: str | Path) -> TargetInfo:
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,
         config_hash=config_hash(path / "config.json"),
+        parameters=sum(p.numel() for p in model.parameters()),
     )

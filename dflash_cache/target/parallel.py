@@ -13,6 +13,7 @@ requires a single root module").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +23,9 @@ from transformers import AutoModelForCausalLM
 
 from dflash_cache.errors import DFlashCacheError
 
+BF16_BYTES = 2
+# Of a GPU's memory the weights may take: the rest holds a batch's activations (a 49,152-token forward).
+WEIGHT_SHARE = 0.8
 # Loading a split target takes each process through every weight file: far longer than a collective's default wait.
 LAUNCH_TIMEOUT = timedelta(hours=2)
 
@@ -45,6 +49,19 @@ def group_of(rank: int, world: int, tp: int) -> Group:
             f"start torchrun with --nproc-per-node {tp} (one copy per launch; run the data in parts for more)"
         )
     return Group(rank, tp)
+
+
+def check_fits(parameters: int, device_bytes: int, tp: int) -> None:
+    """Refuse a target whose bf16 weights, split over `tp` devices, leave too little of each for
+    extraction's batches; name the --tp that fits."""
+    needed = math.ceil(parameters * BF16_BYTES / (WEIGHT_SHARE * device_bytes))
+    if needed > tp:
+        raise DFlashCacheError(
+            f"the target's {parameters / 1e9:.1f}B parameters take {parameters * BF16_BYTES / 2**30:.0f} GiB in bf16, "
+            f"{'' if tp == 1 else f'{parameters * BF16_BYTES / tp / 2**30:.0f} GiB per process at --tp {tp}, '}"
+            f"over {WEIGHT_SHARE:.0%} of a {device_bytes / 2**30:.0f} GiB GPU: split it with "
+            f"torchrun --nproc-per-node {needed} ... extract --tp {needed}"
+        )
 
 
 def join_launch(device: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from dflash_cache.target.parallel import group_of
+from dflash_cache.target.parallel import check_fits, group_of
 from dflash_cache.train.distributed import free_port
 from tests.tiny import build_target, write_conversations
 
@@ -22,6 +22,18 @@ def test_tp_outside_torchrun_or_over_another_process_count_is_refused(tmp_path):
     with pytest.raises(DFlashCacheError, match="--tp 2 with 4 processes.*--nproc-per-node 2"):
         group_of(0, 4, 2)
     assert group_of(1, 2, 2).writes is False and group_of(0, 2, 2).writes is True
+
+
+def test_a_target_too_large_for_one_gpu_is_refused_naming_the_split_that_fits():
+    """bf16 weights may take 80% of a GPU: 35B parameters are 70 GB, over 80% of 80 GiB (68.7 GB),
+    so two GPUs; 120B are 240 GB, 3.5 GPUs' share, so four."""
+    gib80 = 80 * 2**30
+    with pytest.raises(DFlashCacheError, match="35.0B parameters take 65 GiB.*--nproc-per-node 2 .* --tp 2"):
+        check_fits(35_000_000_000, gib80, 1)
+    check_fits(35_000_000_000, gib80, 2)
+    check_fits(8_000_000_000, gib80, 1)
+    with pytest.raises(DFlashCacheError, match="112 GiB per process at --tp 2.*--tp 4"):
+        check_fits(120_000_000_000, gib80, 2)
 
 
 @pytest.mark.slow  # torchrun's agent and two workers
