@@ -1,6 +1,7 @@
 """A target split over two processes by transformers' tensor parallelism (torchrun, gloo on the CPU)
 stores what one process stores, up to bf16 rounding: the split matmuls sum their halves in another order."""
 
+import os
 import subprocess
 import sys
 
@@ -10,9 +11,9 @@ from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.target.parallel import check_fits, group_of
 from dflash_cache.train.distributed import free_port
+from tests.test_extract import LAYERS, assert_same_cache, extract_args
 from tests.tiny import build_target, write_conversations
 
-LAYERS = [1, 4]
 TOLERANCE = 0.03  # of each layer's largest state, as in test_families.py
 
 
@@ -36,12 +37,8 @@ def test_a_target_too_large_for_one_gpu_is_refused_naming_the_split_that_fits():
         check_fits(120_000_000_000, gib80, 2)
 
 
-@pytest.mark.slow  # torchrun's agent and two workers
-def test_two_process_tensor_parallel_extraction_equals_one_process(tmp_path):
-    target = build_target(tmp_path / "target", "qwen3")
-    data = write_conversations(tmp_path / "data.jsonl", count=8, seed=3)
-    options = dict(target=target, data=[data], layers=LAYERS, token_budget=300)
-    extract(ExtractOptions(out=tmp_path / "one", **options))
+def torchrun_extract(target, data, out, env=None, **kw) -> subprocess.CompletedProcess:
+    """`extract --tp 2` under torchrun: two processes on this machine, gloo between them."""
     command = [
         sys.executable,
         "-m",
@@ -54,24 +51,30 @@ def test_two_process_tensor_parallel_extraction_equals_one_process(tmp_path):
         str(free_port()),
         "-m",
         "dflash_cache_cli.main",
-        "extract",
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(tmp_path / "two"),
-        "--layers",
-        ",".join(map(str, LAYERS)),
-        "--token-budget",
-        "300",
+        *map(str, extract_args(target, data, out)),
         "--tp",
         "2",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """A tiny target, its one-process cache, and the same extraction split over two processes."""
+    root = tmp_path_factory.mktemp("split")
+    target = build_target(root / "target", "qwen3")
+    data = write_conversations(root / "data.jsonl", count=8, seed=3)
+    extract(ExtractOptions(target=target, data=[data], out=root / "one", layers=LAYERS, token_budget=300))
+    run = torchrun_extract(target, data, root / "two")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "process 0 wrote the cache" in run.stdout
-    one, two = open_cache(tmp_path / "one"), open_cache(tmp_path / "two")
+    return target, data, root / "one", root / "two"
+
+
+@pytest.mark.slow  # torchrun's agent and two workers
+def test_two_process_tensor_parallel_extraction_equals_one_process(split):
+    target, data, one, two = split
+    one, two = open_cache(one), open_cache(two)
     assert two.spec == {**one.spec, "tensor_parallel": 2}
     assert sorted(one) == sorted(two) == list(range(8))
     agree = total = 0
@@ -85,4 +88,17 @@ def test_two_process_tensor_parallel_extraction_equals_one_process(tmp_path):
     assert agree >= 0.95 * total
     # The cache records the split: a run without it is another spec, not a resume.
     with pytest.raises(DFlashCacheError, match="tensor_parallel"):
-        extract(ExtractOptions(out=tmp_path / "two", **options))
+        extract(ExtractOptions(target=target, data=[data], out=two.root, layers=LAYERS, token_budget=300))
+
+
+@pytest.mark.slow
+def test_a_killed_tensor_parallel_extraction_resumes_to_the_uninterrupted_cache(split, tmp_path):
+    """Process 0 killed after its second shard; torchrun ends the other. The same command resumes."""
+    target, data, _, two = split
+    out = tmp_path / "cache"
+    killed = torchrun_extract(target, data, out, env={"DFLASH_CACHE_KILL_AT": "shard.committed:2"})
+    assert killed.returncode != 0 and not (out / "manifest.json").exists()
+    assert len(list((out / "shards").iterdir())) == 2
+    resumed = torchrun_extract(target, data, out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_cache(two, out)
