@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.safetensors_file import save_tensors
+from dflash_cache.files.safetensors_file import save_tensors
 from dflash_cache.target.parallel import full
 from dflash_cache.target.target import Target
 
@@ -29,7 +29,7 @@ def norm_weight_offset(norm: torch.nn.Module, eps: float) -> float:
 
 
 def head_tensors(target: Target) -> dict[str, torch.Tensor]:
-    """The embeddings, final norm and LM head, whole on the CPU in bf16. Every rank of a
+    """The embeddings, final norm and LM head, whole on the CPU in bf16. Every process of a
     tensor-parallel group calls it: gathering a split weight is a collective."""
     model = target.model
     tensors = {

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, PhiConfig
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.drafter.defaults import target_drafter_config
+from dflash_cache.extract.events import ExtractEvents
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from tests.tiny import build_target, build_tokenizer
 
@@ -48,10 +49,15 @@ def check_family(arch: str, tmp_path, device: str) -> None:
     reference.eval()
     data = pretokenized(tmp_path / "data.jsonl", reference.config.vocab_size)
     plans = []
+
+    class Plans(ExtractEvents):
+        def plan(self, samples: int, tokens: int, layout: str) -> None:
+            plans.append(layout)
+
     opts = ExtractOptions(
         target=target, data=[data], out=tmp_path / "cache", token_budget=128, gpus=None if device == "cpu" else [0]
     )
-    extract(opts, on_plan=lambda samples, tokens, layout: plans.append(layout))
+    extract(opts, Plans())
     assert plans[0].startswith(BATCHING[arch]), plans[0]
     cache = open_cache(tmp_path / "cache")
     assert cache.spec["layer_ids"] == [0, 1, 2, 3]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from dflash_cache.console.units import size
 from dflash_cache.data.plan import describe_plan, plan_batches
 from dflash_cache.store.cache import Cache
-from dflash_cache.units import size
 
 
 def describe_cache(cache: Cache, token_budget: int) -> list[str]:
