@@ -9,6 +9,8 @@ import pytest
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.store.manifest import spec_differences
+from dflash_cache.stream.caches import FREE_SPEC_FIELDS
 from dflash_cache.target.parallel import check_fits, group_of
 from dflash_cache.train.distributed import free_port
 from tests.test_extract import LAYERS, assert_same_cache, extract_args
@@ -86,9 +88,10 @@ def test_two_process_tensor_parallel_extraction_equals_one_process(split):
         agree += int((a.target_ids == b.target_ids).sum())
         total += len(a.target_ids)
     assert agree >= 0.95 * total
-    # The cache records the split: a run without it is another spec, not a resume.
+    # The cache records the split: a run without it is another spec, not a resume; training takes both.
     with pytest.raises(DFlashCacheError, match="tensor_parallel"):
         extract(ExtractOptions(target=target, data=[data], out=two.root, layers=LAYERS, token_budget=300))
+    assert spec_differences(one.spec, two.spec, FREE_SPEC_FIELDS) == []
 
 
 @pytest.mark.slow
