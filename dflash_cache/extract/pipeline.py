@@ -41,7 +41,7 @@ from dflash_cache.store.codecs import check_codec
 from dflash_cache.store.remote import is_remote
 from dflash_cache.store.resume import Resumed, WritableCache
 from dflash_cache.target.batch import Layout
-from dflash_cache.target.families import Batching, choose_batching
+from dflash_cache.target.families import Batching, check_extractable, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
 from dflash_cache.target.parallel import Group, check_fits, group_of, join_launch
 from dflash_cache.target.target import resolve_layer_ids
@@ -129,6 +129,7 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
+    parameters = check_extractable(info)
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
     batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
@@ -143,7 +144,7 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         rank_ids, world = ([rank], world) if group is None else ([0], 1)  # a group is one rank
     writes = group is None or group.writes  # the other processes of a group compute beside its writer
     if torch.device(devices[0]).type == "cuda":
-        check_fits(info.parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
+        check_fits(parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
     budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     # One lock for the cache, whatever the launch mode: the ranks of one torchrun launch share it.
     cache = WritableCache.open(opts.out, opts.staging, None if dist is None else launch_key())

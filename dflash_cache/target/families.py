@@ -19,6 +19,7 @@ from torch import nn
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.target.info import SUPPORTED, TargetInfo
 
 # Families whose every layer is one of the kinds `packed_support` checks, with attention through
 # transformers' attention interface and rotary positions from `position_ids`; each is run packed
@@ -119,6 +120,18 @@ def _has_varlen_attn() -> bool:
         return True
     except ImportError:
         return False
+
+
+def check_extractable(info: TargetInfo) -> int:
+    """Refuse, from the config alone, a target lacking what extraction reads; returns its parameter count."""
+    model = meta_model(info.config)
+    missing = missing_parts(model, info.config)
+    if missing:
+        raise DFlashCacheError(
+            f"target {info.path}: model type '{info.config.model_type}' has no {', no '.join(missing)}; "
+            f"supported: {SUPPORTED}"
+        )
+    return sum(p.numel() for p in model.parameters())
 
 
 def meta_model(config) -> nn.Module:

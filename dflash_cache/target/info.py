@@ -10,7 +10,6 @@ from pathlib import Path
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
 from dflash_cache.errors import DFlashCacheError, first_line
-from dflash_cache.target.families import meta_model, missing_parts
 
 SUPPORTED = (
     "decoders with layers at `model.model.layers` and a final norm at `model.model.norm`: dense (qwen3, llama, "
@@ -30,7 +29,6 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     config_hash: str
-    parameters: int  # the model's, as its config builds it
 
 
 def config_hash(config_file: Path) -> str:
@@ -63,12 +61,6 @@ def read_target_info(path: str | Path) -> TargetInfo:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = getattr(config, "model_type", "?")
         raise DFlashCacheError(f"target {path}: model type '{kind}' is not a causal LM; supported: {SUPPORTED}")
-    model = meta_model(config)
-    missing = missing_parts(model, config)
-    if missing:
-        raise DFlashCacheError(
-            f"target {path}: model type '{config.model_type}' has no {', no '.join(missing)}; supported: {SUPPORTED}"
-        )
     text = config.get_text_config()
     return TargetInfo(
         path=path,
@@ -78,5 +70,4 @@ def read_target_info(path: str | Path) -> TargetInfo:
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,
         config_hash=config_hash(path / "config.json"),
-        parameters=sum(p.numel() for p in model.parameters()),
     )

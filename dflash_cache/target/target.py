@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.target.families import padded_attention
+from dflash_cache.target.families import check_extractable, padded_attention
 from dflash_cache.target.info import read_target_info
 from dflash_cache.target.loading_bars import no_loading_bars
 from dflash_cache.target.parallel import Group, load_split
@@ -53,6 +53,7 @@ def load_target(
     padded batches (target/families.py); `group`: this process's tensor-parallel group, whose
     ranks each hold a part of the target (target/parallel.py)."""
     info = read_target_info(path)
+    check_extractable(info)
     path = info.path
     attention = attention or padded_attention(info.config.get_text_config(), device)
     with no_loading_bars():
