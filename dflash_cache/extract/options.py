@@ -125,8 +125,8 @@ class ExtractOptions:
         default="auto",
         metadata=option(
             "packed: samples concatenated into rows of one fixed size, each sample seeing only itself (where exact "
-            "for the target's family: dense qwen2, qwen3, llama, mistral and gemma3_text with no sliding window "
-            "shorter than --max-length, qwen3_moe, qwen3_5, qwen3_5_moe); padded: one sample per row, on a few "
+            "for the target's family: dense qwen2, qwen3, llama, mistral, gemma3_text, MoE qwen3_moe, hybrid "
+            "qwen3_5 and qwen3_5_moe); padded: one sample per row, on a few "
             "fixed shapes; auto: packed where exact.",
             choices=("auto", "packed", "padded"),
         ),

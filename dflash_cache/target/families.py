@@ -3,10 +3,11 @@ extraction can run it, whether packed rows are exact for it (else padded batches
 transformers' attention implementations computes its attention.
 
 Packed rows (target/varlen.py) tell every layer where a sample ends: the attention through
-`cu_seq_lens`, rotary positions through `position_ids`, the linear-attention layers of the qwen3_5
-families through their swapped kernels. Expert blocks route each token alone, so mixture-of-experts
-families pack as their attention does. What the packed attention does not compute keeps a family on
-padded batches: a sliding window shorter than a sample, attention sinks, logit soft-capping.
+`cu_seq_lens` (full, or a sliding window within the sample), rotary positions through
+`position_ids`, the linear-attention layers of the qwen3_5 families through their swapped kernels.
+Expert blocks route each token alone, so mixture-of-experts families pack as their attention does.
+What the packed attention does not compute keeps a family on padded batches: attention sinks, logit
+soft-capping, and a sliding window where torch's varlen attention takes none.
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ def packed_support(config, max_length: int) -> str | None:
     if kind in ATTENTION_SINKS:
         return f"{kind}'s attention sinks are not in the packed attention"
     window = sliding_window(config)
-    if window is not None and window < max_length:
-        # A sample no longer than the window never meets it; a longer one would see past it packed.
-        return f"{kind}'s sliding window of {window} tokens is shorter than --max-length {max_length}"
+    if window is not None and window < max_length and torch.cuda.is_available() and not _varlen_takes_window():
+        # A sample no longer than the window never meets it.
+        return (
+            f"{kind}'s sliding window of {window} tokens is shorter than --max-length {max_length}, and this "
+            "torch's varlen attention takes no window"
+        )
     if getattr(config, "attn_logit_softcapping", None):
         return f"{kind}'s attention logit soft-capping is not in the packed attention"
     if kind not in PACKED_FAMILIES:
@@ -112,6 +116,12 @@ def padded_attention(config, device: str | torch.device) -> str:
     if torch.device(device).type == "cuda" and getattr(cls, "_supports_flex_attn", False):
         return "flex_attention"
     return "eager"
+
+
+def _varlen_takes_window() -> bool:
+    from dflash_cache.target.varlen import varlen_params  # varlen.py imports this module
+
+    return _has_varlen_attn() and "window_size" in varlen_params()
 
 
 def _has_varlen_attn() -> bool:

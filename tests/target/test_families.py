@@ -17,9 +17,9 @@ from tests.tiny import build_target, build_tokenizer
 TOLERANCE = 0.03
 LENGTHS = [40, 23, 57, 9, 31, 64]
 # By hand, from what each family's layers compute: packed rows where every layer can be told where
-# a sample ends (causal attention over the whole sample, per-token experts, linear attention with
-# sequence starts); padded batches where attention reaches back a window (shorter here than the
-# samples) or adds sinks, which the packed attention does not compute.
+# a sample ends (causal attention over the whole sample or a window of it, per-token experts, linear
+# attention with sequence starts); padded batches where attention adds sinks, which the packed
+# attention does not compute.
 BATCHING = {
     "qwen3": "packed",
     "llama": "packed",
@@ -28,8 +28,8 @@ BATCHING = {
     "qwen3_moe": "packed",
     "qwen3_5_moe": "packed",
     "gemma3_text_wide": "packed",
-    "mistral_sliding": "padded",
-    "gemma3_text": "padded",
+    "mistral_sliding": "packed",
+    "gemma3_text": "packed",
     "gpt_oss": "padded",
 }
 
