@@ -33,6 +33,9 @@ def command(**options):
     if summary.already_complete:
         click.echo(f"{opts.out}: already complete, nothing to do")
         return
+    if summary.beside_writer:
+        click.echo("done: this process ran its part of the split target; process 0 wrote the cache")
+        return
     click.echo(
         f"done: {held_line(summary)}, {summary.wall_s:.1f} s wall, {summary.truncated} truncated, "
         f"{summary.skipped if summary.manifest is None else len(summary.manifest['skipped'])} skipped, "

@@ -107,6 +107,17 @@ def _rope_theta(text_config) -> float:
     return float(theta if theta is not None else getattr(text_config, "rope_theta", 1e6))
 
 
+def ffn_size(text_config) -> int:
+    """The target's FFN width; for a mixture-of-experts target with no dense width in its config
+    (qwen3_5_moe), the width each token passes through: its experts per token times an expert's
+    width, plus the shared expert's."""
+    size = getattr(text_config, "intermediate_size", None)
+    if size:
+        return size
+    routed = text_config.moe_intermediate_size * text_config.num_experts_per_tok
+    return routed + (getattr(text_config, "shared_expert_intermediate_size", None) or 0)
+
+
 def target_drafter_config(
     target_dir: Path, layer_ids: list[int], mask_token_id: int, mask_token: str | None = None
 ) -> DrafterConfig:
@@ -116,7 +127,7 @@ def target_drafter_config(
     heads = text.num_attention_heads
     return DrafterConfig(
         hidden_size=info.hidden_size,
-        intermediate_size=text.intermediate_size,
+        intermediate_size=ffn_size(text),
         num_hidden_layers=LAYERS,
         num_attention_heads=heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,

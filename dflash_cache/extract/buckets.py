@@ -27,7 +27,7 @@ from dflash_cache.target.batch import ForwardBatch, padded_rows
 class BucketLayout:
     token_budget: int
     max_length: int
-    attention = "sdpa"
+    attention = None  # the family's own (target/families.py)
 
     @cached_property
     def _bounds(self) -> list[int]:

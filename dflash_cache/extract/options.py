@@ -124,9 +124,10 @@ class ExtractOptions:
     batching: str = field(
         default="auto",
         metadata=option(
-            "packed: samples concatenated into rows of one fixed size, each sample seeing only itself (qwen3, "
-            "qwen3_5, qwen2, llama); padded: one sample per row, on a few fixed shapes; auto: packed where the "
-            "target supports it.",
+            "packed: samples concatenated into rows of one fixed size, each sample seeing only itself (where exact "
+            "for the target's family: dense qwen2, qwen3, llama, mistral, gemma3_text, MoE qwen3_moe, hybrid "
+            "qwen3_5 and qwen3_5_moe); padded: one sample per row, on a few "
+            "fixed shapes; auto: packed where exact.",
             choices=("auto", "packed", "padded"),
         ),
     )
@@ -144,6 +145,13 @@ class ExtractOptions:
             "instead of hashing every byte once (recorded in the cache spec).",
             flag="--skip-weights-hash",
             invert=True,
+        ),
+    )
+    tp: int = field(
+        default=1,
+        metadata=option(
+            "Processes of a torchrun launch (all of them) that hold one copy of the target between them, split by "
+            "transformers' tensor-parallel plan: a target larger than one GPU. Process 0 writes the cache."
         ),
     )
     compress_threads: int | None = None  # compression threads per rank; None: from the cores per process

@@ -41,9 +41,10 @@ from dflash_cache.store.codecs import check_codec
 from dflash_cache.store.remote import is_remote
 from dflash_cache.store.resume import Resumed, WritableCache
 from dflash_cache.target.batch import Layout
+from dflash_cache.target.families import Batching, check_extractable, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
+from dflash_cache.target.parallel import Group, check_fits, group_of, join_launch
 from dflash_cache.target.target import resolve_layer_ids
-from dflash_cache.target.varlen import packed_support
 from dflash_cache.target.warmup import start_background_warmup
 
 HEAD = "target/head.safetensors"
@@ -62,6 +63,7 @@ class ExtractSummary:
     bad_records: int = 0  # records left out by --on-bad-record skip (listed in the manifest)
     untrainable: int = 0  # samples left out with nothing to train on within --max-length
     manifest: dict | None = None
+    beside_writer: bool = False  # a tensor-parallel process that computed its part while process 0 wrote
 
 
 def _devices(gpus: list[int] | None) -> list[str]:
@@ -85,6 +87,13 @@ def _torchrun() -> tuple[int, int, int] | None:
 
 def _check_options(opts: ExtractOptions) -> None:
     check_codec(opts.codec)
+    if opts.tp < 1:
+        raise DFlashCacheError(f"--tp must be 1 or more, got {opts.tp}")
+    if opts.tp != 1 and _torchrun() is None:
+        raise DFlashCacheError(
+            f"--tp {opts.tp} splits the target over the processes of a torchrun launch: "
+            f"start extract with torchrun --nproc-per-node {opts.tp}"
+        )
     if opts.token_budget is not None and opts.token_budget < 1:
         raise DFlashCacheError(f"--token-budget must be positive, got {opts.token_budget}")
     if opts.max_length < 2:
@@ -106,15 +115,12 @@ def _check_options(opts: ExtractOptions) -> None:
             raise DFlashCacheError(f"--data {path} is given twice (it is {first}); give each file once")
 
 
-def choose_layout(info: TargetInfo, batching: str, token_budget: int, max_length: int, longest: int) -> Layout:
-    """Packed rows of max(token budget, longest sample) tokens where the target runs them exactly;
+def choose_layout(batching: Batching, token_budget: int, max_length: int, longest: int) -> Layout:
+    """Packed rows of max(token budget, longest sample) tokens where they are exact for the target;
     else padded batches on a fixed set of shapes."""
-    reason = packed_support(info.config.get_text_config())
-    if batching == "packed" and reason is not None:
-        raise DFlashCacheError(f"--batching packed: {reason}; use --batching padded")
-    if batching == "padded" or reason is not None:
-        return BucketLayout(token_budget, max_length)
-    return PackedLayout(max(token_budget, longest))
+    if batching.packed:
+        return PackedLayout(max(token_budget, longest))
+    return BucketLayout(token_budget, max_length)
 
 
 def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> ExtractSummary:
@@ -123,35 +129,43 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
+    parameters = check_extractable(info)
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
+    batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
+    group = None
     if dist is None:
         devices = _devices(opts.gpus)
         rank_ids, world = list(range(len(devices))), len(devices)
     else:
         rank, world, local = dist
         devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
-        rank_ids = [rank]
+        group = group_of(rank, world, opts.tp) if opts.tp > 1 else None
+        rank_ids, world = ([rank], world) if group is None else ([0], 1)  # a group is one rank
+    writes = group is None or group.writes  # the other processes of a group compute beside its writer
+    if torch.device(devices[0]).type == "cuda":
+        check_fits(parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
     budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     # One lock for the cache, whatever the launch mode: the ranks of one torchrun launch share it.
     cache = WritableCache.open(opts.out, opts.staging, None if dist is None else launch_key())
     warmup = None
     try:
         if dist is None or dist[2] == 0:
-            warmup = _start_warmup(opts, info, budget, devices[0])
+            warmup = _start_warmup(opts, info, batching, budget, devices[0])
         data = _tokenized(opts, events)
-        layout = choose_layout(info, opts.batching, budget, opts.max_length, int(data.lengths.max()))
+        layout = choose_layout(batching, budget, opts.max_length, int(data.lengths.max()))
         spec = _spec(opts, info, layer_ids, data, budget, layout)
-        resumed = cache.resume(spec, data.rows_of, len(data.sample_ids), rank_ids, dist is None, events.note)
+        resumed = _resume(cache, spec, data, rank_ids, dist is None, group, devices[0], events)
         left = len(data.sample_ids) - resumed.done.count()
-        events.plan(left, int(data.lengths.sum()) - resumed.done.total(data.lengths), layout.describe())
+        tokens_left = int(data.lengths.sum()) - resumed.done.total(data.lengths)
+        events.plan(left, tokens_left, f"{layout.describe()}: {batching.reason}")
         complete = not left and resumed.target_files_done
         if complete:
             _stop(warmup)  # nothing to compute and no target to load: only the manifest, if missing
         ranks = [] if complete else list(zip(rank_ids, devices))
-        jobs = _rank_jobs(opts, cache, spec, layout, data, resumed, ranks, world)
+        jobs = _rank_jobs(opts, cache, spec, layout, data, resumed, ranks, world, group)
         summaries = _run_jobs(jobs, events.progress)
-        manifest = cache.finalise(data.rows_of, len(data.sample_ids), data.info.report())
+        manifest = cache.finalise(data.rows_of, len(data.sample_ids), data.info.report()) if writes else None
     except BaseException:
         _stop(warmup)
         cache.close(failed=True)
@@ -170,12 +184,13 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         untrainable=len(data.info.untrainable),
         already_complete=not left,
         manifest=manifest,
+        beside_writer=not writes,
     )
 
 
-def _start_warmup(opts: ExtractOptions, info: TargetInfo, budget: int, device: str):
+def _start_warmup(opts: ExtractOptions, info: TargetInfo, batching: Batching, budget: int, device: str):
     """Compile the packed kernels in the background while the data is tokenized (packed rows only)."""
-    if opts.batching == "padded" or packed_support(info.config.get_text_config()) is not None:
+    if not batching.packed:
         return None
     # Rows are max(token budget, longest sample) long: the budget, unless a sample is longer.
     return start_background_warmup(
@@ -223,7 +238,28 @@ def _spec(
     )
     if opts.chat_template_kwargs:
         spec["chat_template_kwargs"] = opts.chat_template_kwargs
+    if opts.tp > 1:  # a split target sums its matmuls in another order: other bf16 roundings
+        spec["tensor_parallel"] = opts.tp
     return spec
+
+
+def _resume(
+    cache: WritableCache,
+    spec: dict,
+    data: TokenizedData,
+    rank_ids: list[int],
+    every_rank: bool,
+    group: Group | None,
+    device: str,
+    events: ExtractEvents,
+) -> Resumed:
+    """What is done; the process that writes repairs what a crash left first. A tensor-parallel
+    group's processes must run the same batches: the others read what is done once it has."""
+    args = (spec, data.rows_of, len(data.sample_ids), rank_ids, every_rank, events.note)
+    resumed = cache.resume(*args) if group is None or group.writes else None
+    if group is not None:
+        join_launch(device)
+    return resumed or cache.resume(*args, repair=False)
 
 
 def _rank_jobs(
@@ -235,6 +271,7 @@ def _rank_jobs(
     resumed: Resumed,
     ranks: list[tuple[int, str]],
     world: int,
+    group: Group | None,
 ) -> list[RankJob]:
     """The jobs of this process's `ranks` (rank, device) out of `world`."""
     batches = kept_plan(data, layout)  # mapped from a file: each rank lists only its own share
@@ -260,7 +297,8 @@ def _rank_jobs(
                 # Again when a run died before journaling their hashes (a head file may be partial).
                 write_target_files=rank == 0 and not resumed.target_files_done,
                 kernel_cache=opts.kernel_cache,
-                uploader=cache.uploader(rank),
+                uploader=cache.uploader(rank) if group is None or group.writes else None,
+                group=group,
             )
         )
     return jobs

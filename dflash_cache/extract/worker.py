@@ -16,7 +16,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,8 @@ from dflash_cache.store.schema import Row
 from dflash_cache.store.staging import Uploader
 from dflash_cache.store.writer import ShardWriter
 from dflash_cache.target.batch import Layout, to_device
-from dflash_cache.target.head import save_target_files
+from dflash_cache.target.head import head_tensors, save_target_files
+from dflash_cache.target.parallel import Group
 from dflash_cache.target.runner import TargetRunner
 from dflash_cache.target.target import Target, load_target
 from dflash_cache.target.warmup import use_kernel_cache, warm_up
@@ -63,6 +64,7 @@ class RankJob:
     write_target_files: bool = False
     kernel_cache: Path | None = None  # compilers' disk caches (None: Triton's own), see warmup.py
     uploader: Uploader | None = None  # extraction to a remote cache: `root` is the staging folder
+    group: Group | None = None  # this process's tensor-parallel group (extract --tp); None: the target whole here
 
 
 @dataclass
@@ -281,16 +283,16 @@ def run_rank(
     kernels = use_kernel_cache(job.kernel_cache)
     codec = job.spec["codec"]
     on_gpu = torch.device(job.device).type == "cuda"
+    if job.group is not None and not job.group.writes:
+        return _compute_beside(job, kernels, on_gpu)
     largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
     width = job.spec["target"]["hidden_size"] * len(job.spec["layer_ids"])
     ring = _StagingRing(job.staging_slots, encoded_size(codec, largest, width), on_gpu)  # pinned while the target loads
-    target = target or load_target(job.target_path, job.device, attention=job.layout.attention)
-    if target.config_hash != job.spec["target"]["config_hash"]:
-        raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
+    target = target or _load(job)
     shards = _shard_writer(job, target)
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
     encoder = _PartEncoder(job, ring, torch.cuda.Stream(job.device) if on_gpu else None)
-    compile_s = warm_up(runner, job.layout, job.device, kernels)
+    compile_s = warm_up(runner, job.layout, job.device, kernels, one_rank_at_a_time=job.group is None)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
     started = time.perf_counter()
@@ -314,6 +316,27 @@ def run_rank(
     summary.compile_s = compile_s
     summary.on_gpu = on_gpu
     return summary
+
+
+def _load(job: RankJob) -> Target:
+    target = load_target(job.target_path, job.device, attention=job.layout.attention, group=job.group)
+    if target.config_hash != job.spec["target"]["config_hash"]:
+        raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
+    return target
+
+
+def _compute_beside(job: RankJob, kernels: Path, on_gpu: bool) -> RankSummary:
+    """A tensor-parallel group's other processes: each collective its writer's forwards make, in the
+    same order (the same batches, the same head gathered), nothing written."""
+    target = _load(job)
+    if job.write_target_files:
+        head_tensors(target)
+    runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
+    compile_s = warm_up(runner, job.layout, job.device, kernels, one_rank_at_a_time=False)
+    started = time.perf_counter()
+    for _part in _parts(job, runner, lambda sid, reason: None):
+        pass
+    return RankSummary(job.rank, compute_s=time.perf_counter() - started, compile_s=compile_s, on_gpu=on_gpu)
 
 
 def _flat(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -405,7 +428,7 @@ def _shard_writer(job: RankJob, target: Target) -> ShardWriter:
         on_journal=job.uploader or (lambda shard_path: None),
     )
     if job.write_target_files:
-        save_target_files(target, job.root / "target")
+        save_target_files(target, job.root / "target", head_tensors(target))
         if job.uploader is not None:
             job.uploader.upload_target()
         shards.record_target_files(hash_target_files(job.root / "target"))
@@ -423,22 +446,29 @@ def _run_batches(
         if writer.error is not None:
             raise writer.error
 
+    # Parts come in sample order: when a sample is skipped, the ones before it are written.
+    for part in _parts(job, runner, lambda sid, reason: writer.put([_done(_Skip(sid, reason))])):
+        futures, waited = encoder.encode(part, check_writer)
+        if futures:
+            waited += writer.put(futures)
+        wait_s += waited
+        report(Progress(job.rank, wait_s=waited))
+    return wait_s
+
+
+def _parts(job: RankJob, runner: TargetRunner, on_skip: Callable[[int, str], object]) -> Iterator[Part]:
+    """The forward parts of the rank's batches not yet done, in order. A sample the device cannot
+    hold stops the run, or with --on-bad-sample skip goes to `on_skip(sample id, reason)` and its
+    batch goes on after it."""
     for batch in job.batches:
         pending = list(batch)
         while pending and not all(sid in job.done for sid in pending):
             faults.point("extract.forward")
             try:
-                for part in run_with_split(runner, job.layout, [job.samples[sid] for sid in pending], job.device):
-                    futures, waited = encoder.encode(part, check_writer)
-                    if futures:
-                        waited += writer.put(futures)
-                    wait_s += waited
-                    report(Progress(job.rank, wait_s=waited))
+                yield from run_with_split(runner, job.layout, [job.samples[sid] for sid in pending], job.device)
                 pending = []
             except SampleOutOfMemory as e:
                 if job.on_bad_sample == "error":
                     raise
-                # Parts come in sample order: the ones before this sample are written.
-                writer.put([_done(_Skip(e.sample_id, str(e)))])
+                on_skip(e.sample_id, str(e))
                 pending = pending[pending.index(e.sample_id) + 1 :]
-    return wait_s

@@ -78,12 +78,20 @@ class WritableCache:
         return cache
 
     def resume(
-        self, spec: dict, rows_of: RowsOf, rows: int, ranks: list[int], every_rank: bool, on_note: Callable[[str], None]
+        self,
+        spec: dict,
+        rows_of: RowsOf,
+        rows: int,
+        ranks: list[int],
+        every_rank: bool,
+        on_note: Callable[[str], None],
+        repair: bool = True,
     ) -> Resumed:
         """Check that the cache was made with `spec`, then repair what a crash left for `ranks` (this
         process's): torn journal lines cut, shard files no journal lists deleted (or, remote, the
         staging folder reconciled with the remote journals). `every_rank`: this process runs every
-        rank, so any rank's leftovers are its own to delete."""
+        rank, so any rank's leftovers are its own to delete. `repair` False: only read what is done
+        (a tensor-parallel process beside the one that writes)."""
         owned = None if every_rank else ranks
         scan = scan_journals(self.store, rows_of, rows, owned)
         if scan.spec is not None and scan.spec != spec:
@@ -93,6 +101,8 @@ class WritableCache:
             raise DFlashCacheError(
                 f"{self.store} has a manifest but no journals; it was not written by extract, use another --out"
             )
+        if not repair:
+            return Resumed(scan.done, scan.next_index, scan.target_files is not None and self._exists(HEAD))
         self.writing = True
         for rank in ranks:  # this run's own journals only: another launch's ranks may be appending to theirs
             self._cut_torn_journal(self.root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)

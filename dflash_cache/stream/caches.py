@@ -17,8 +17,9 @@ from dflash_cache.store.pool import ShardPool
 from dflash_cache.store.reader import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from and how
-# they were batched.
+# they were batched or the target split.
 FREE_SPEC_FIELDS = {
+    "tensor_parallel",
     "target.name",
     "data_hash",
     "max_length",

@@ -87,7 +87,7 @@ def padded_rows(samples: list[Sample], shape: tuple[int, int], device: torch.dev
 class Layout(Protocol):
     """How samples become target forwards: a plan of batches, and each batch's input."""
 
-    attention: str  # the attention implementation the target is loaded with
+    attention: str | None  # the attention implementation the target is loaded with; None: the family's own
 
     def describe(self) -> str: ...
     def plan(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> Batches: ...

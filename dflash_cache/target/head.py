@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dflash_cache.files.safetensors_file import save_tensors
+from dflash_cache.target.parallel import full
 from dflash_cache.target.target import Target
 
 
@@ -27,23 +28,28 @@ def norm_weight_offset(norm: torch.nn.Module, eps: float) -> float:
     return min(errors, key=errors.get)
 
 
-def save_target_files(target: Target, out_dir: str | Path) -> None:
+def head_tensors(target: Target) -> dict[str, torch.Tensor]:
+    """The embeddings, final norm and LM head, whole on the CPU in bf16. Every process of a
+    tensor-parallel group calls it: gathering a split weight is a collective."""
+    model = target.model
+    tensors = {
+        "embed_tokens.weight": model.get_input_embeddings().weight,
+        "norm.weight": target.base.norm.weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+    }
+    # clone(): tied embeddings share storage with lm_head, which safetensors refuses to save twice.
+    return {name: full(t.detach()).to("cpu", torch.bfloat16).contiguous().clone() for name, t in tensors.items()}
+
+
+def save_target_files(target: Target, out_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
     """config.json (the target's own, byte for byte, so its sha256 matches `target.config_hash`),
-    tokenizer files, head.safetensors and head.json."""
+    tokenizer files, head.safetensors and head.json; `tensors`: head_tensors(target), when gathered already."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(target.path / "config.json", out_dir / "config.json")
     target.tokenizer.save_pretrained(out_dir)
-    model = target.model
     norm = target.base.norm
-    # clone(): tied embeddings share storage with lm_head, which safetensors refuses to save twice.
-    tensors = {
-        "embed_tokens.weight": model.get_input_embeddings().weight,
-        "norm.weight": norm.weight,
-        "lm_head.weight": model.get_output_embeddings().weight,
-    }
-    tensors = {name: t.detach().to("cpu", torch.bfloat16).contiguous().clone() for name, t in tensors.items()}
-    save_tensors(tensors, out_dir / "head.safetensors")
+    save_tensors(tensors or head_tensors(target), out_dir / "head.safetensors")
     eps = float(target.config.rms_norm_eps)
     head = {
         "hidden_size": target.hidden_size,

@@ -12,8 +12,9 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 from dflash_cache.errors import DFlashCacheError, first_line
 
 SUPPORTED = (
-    "dense decoders whose layers are `model.model.layers` (Qwen3, Llama and alike) "
-    "and hybrid qwen3_5 text or multimodal checkpoints"
+    "decoders with layers at `model.model.layers` and a final norm at `model.model.norm`: dense (qwen3, llama, "
+    "mistral, gemma3_text and alike), hybrid qwen3_5 (text or multimodal checkpoints), mixture-of-experts "
+    "(qwen3_moe, qwen3_5_moe, gpt_oss)"
 )
 # Any one of these is enough for AutoTokenizer to build a tokenizer from a local directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

@@ -15,8 +15,10 @@ from transformers import (
 )
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.target.info import SUPPORTED, read_target_info
+from dflash_cache.target.families import check_extractable, padded_attention
+from dflash_cache.target.info import read_target_info
 from dflash_cache.target.loading_bars import no_loading_bars
+from dflash_cache.target.parallel import Group, load_split
 
 
 @dataclass
@@ -41,22 +43,27 @@ class Target:
 
 
 def load_target(
-    path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, attention: str = "sdpa"
+    path: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: str | None = None,
+    group: Group | None = None,
 ) -> Target:
-    """`attention`: "sdpa", or target/varlen.py's implementation for packed rows."""
+    """`attention`: target/varlen.py's implementation for packed rows, or None: the family's own for
+    padded batches (target/families.py); `group`: this process's tensor-parallel group, whose
+    ranks each hold a part of the target (target/parallel.py)."""
     info = read_target_info(path)
+    check_extractable(info)
     path = info.path
-    # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
+    attention = attention or padded_attention(info.config.get_text_config(), device)
     with no_loading_bars():
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention, local_files_only=True
-        ).to(device)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) != model.config.num_hidden_layers:
-        raise DFlashCacheError(
-            f"target {path}: {type(model).__name__} has no decoder-layer list at model.model.layers to hook; "
-            f"supported: {SUPPORTED}"
-        )
+        if group is not None and group.size > 1:
+            model = load_split(path, dtype, attention, group)
+        else:
+            # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attention, local_files_only=True
+            ).to(device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return Target(
@@ -64,7 +71,7 @@ def load_target(
         model=model,
         tokenizer=tokenizer,
         config=model.config,
-        num_layers=len(layers),
+        num_layers=len(model.model.layers),
         hidden_size=model.config.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         config_hash=info.config_hash,

@@ -2,22 +2,21 @@
 seeing only itself.
 
 Every layer must respect the boundaries given as cumulative sequence lengths (`cu_seqlens`):
-- full attention goes through `varlen_attention`, registered as the attention implementation
-  `packed_rows` (flash attention's variable-length kernel on CUDA, one causal SDPA per sample
-  elsewhere). Called without sequence lengths it is plain causal SDPA, so a target loaded with it
-  runs padded batches exactly as with `sdpa`;
+- attention, full or over a sliding window, goes through `varlen_attention`, registered as the
+  attention implementation `packed_rows` (flash attention's variable-length kernel on CUDA, one
+  causal SDPA per sample elsewhere). Called without sequence lengths it is plain causal SDPA, so a
+  target loaded with it runs padded batches exactly as with `sdpa`;
 - rotary embeddings restart at each sample through `position_ids`;
 - the linear-attention layers of hybrid `qwen3_5` targets (their short causal convolution and the
   gated delta rule) take the sequence lengths through flash-linear-attention's kernels, or run one
   sample at a time through the reference torch code when it is not installed or on the CPU.
 
-`packed_support` says whether a target can run packed; `packed_kernels` is the scope in which the
-linear-attention functions of `qwen3_5` respect the boundaries.
+target/families.py says which targets run packed; `packed_kernels` is the scope in which the
+linear-attention functions of the qwen3_5 families (dense and mixture-of-experts) respect the boundaries.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +27,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash_cache.target.families import linear_attention_module
+
 ATTENTION = "packed_rows"  # no "flash" in the name: transformers takes such names for flash-attention kernels
-# Dense decoders whose attention goes through the attention interface with rotary positions from
-# `position_ids`, and the hybrid qwen3_5 whose linear-attention functions are swapped below.
-DENSE_PACKABLE = ("qwen3", "qwen2", "llama")
+# The hybrid family whose modules target/fused.py swaps.
 HYBRID_PACKABLE = ("qwen3_5", "qwen3_5_text")
 QWEN3_5_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
@@ -47,9 +46,12 @@ def varlen_attention(
     cu_seq_lens_q=None,
     max_length_q=None,
     cu_seq_lens_cpu=None,
+    sliding_window=None,
     **kwargs,
 ):
-    """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None), causal per sample."""
+    """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None), causal per sample; a
+    sliding-window layer's token sees itself and the `sliding_window` - 1 tokens before it, as in
+    transformers' masks."""
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -58,7 +60,7 @@ def varlen_attention(
         raise ValueError("packed attention takes one row and no attention mask")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if query.is_cuda:
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window)
     else:
         bounds = cu_seq_lens_cpu.tolist()
         groups = q.shape[1] // k.shape[1]
@@ -69,7 +71,8 @@ def varlen_attention(
                     q[s:e].transpose(0, 1),
                     k[s:e].transpose(0, 1),
                     v[s:e].transpose(0, 1),
-                    is_causal=True,
+                    attn_mask=None if sliding_window is None else _window_mask(e - s, sliding_window, q.device),
+                    is_causal=sliding_window is None,
                     scale=scaling,
                 ).transpose(0, 1)
                 for s, e in zip(bounds, bounds[1:])
@@ -78,11 +81,19 @@ def varlen_attention(
     return out.unsqueeze(0), None
 
 
-def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling) -> torch.Tensor:
+def _window_mask(length: int, window: int, device) -> torch.Tensor:
+    """[length, length] bool: query i sees keys i - window + 1 .. i."""
+    offset = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling, window: int | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
-    extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # torch 2.11+ / 2.10
+    params = varlen_params()
+    # torch 2.11+ takes flash attention's (left, right) window; 2.10 only is_causal (no sliding windows then).
+    left = -1 if window is None else window - 1
+    extra = {"window_size": (left, 0)} if "window_size" in params else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             extra["enable_gqa"] = True
@@ -93,33 +104,13 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling) -> t
 
 
 @lru_cache(maxsize=1)
-def _varlen_params() -> tuple[str, ...]:
+def varlen_params() -> tuple[str, ...]:
     from torch.nn.attention.varlen import varlen_attn
 
     return tuple(inspect.signature(varlen_attn).parameters)
 
 
 AttentionInterface.register(ATTENTION, varlen_attention)
-
-
-def packed_support(config) -> str | None:
-    """None when the target (its text config) can run packed rows exactly, else the reason it cannot."""
-    kind = getattr(config, "model_type", "?")
-    if kind not in DENSE_PACKABLE + HYBRID_PACKABLE:
-        return f"model type '{kind}' has no packed path here"
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return "sliding-window attention is not packed here"
-    if kind in DENSE_PACKABLE and torch.cuda.is_available() and not _has_varlen_attn():
-        return "this torch has no torch.nn.attention.varlen"
-    return None
-
-
-def _has_varlen_attn() -> bool:
-    try:
-        importlib.import_module("torch.nn.attention.varlen")
-        return True
-    except ImportError:
-        return False
 
 
 @lru_cache(maxsize=1)
@@ -145,12 +136,13 @@ def _rule_options(kwargs: dict) -> dict:
 
 @contextmanager
 def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
-    """While active, the linear-attention layers of a qwen3_5 `model` respect packed boundaries
-    (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
-    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+    """While active, the linear-attention layers of a qwen3_5 or qwen3_5_moe `model` respect packed
+    boundaries (passed to the forward as `cu_seq_lens_q` and `cu_seq_lens_cpu`); other models are untouched."""
+    config = model.config.get_text_config()
+    if "linear_attention" not in (getattr(config, "layer_types", None) or []):
         yield
         return
-    module = importlib.import_module(QWEN3_5_MODULE)
+    module = linear_attention_module(config)
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
     module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = _packed_conv(conv), _packed_rule(rule)
     try:

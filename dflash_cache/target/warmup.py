@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -213,8 +213,11 @@ def compile_threads() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0))))
 
 
-def warm_up(runner: TargetRunner, layout: Layout, device: torch.device | str, folder: Path) -> float:
-    """Run the layout's warm-up forward, if it has one; returns its seconds."""
+def warm_up(
+    runner: TargetRunner, layout: Layout, device: torch.device | str, folder: Path, one_rank_at_a_time: bool = True
+) -> float:
+    """Run the layout's warm-up forward, if it has one; returns its seconds. `one_rank_at_a_time`
+    False: the ranks of a tensor-parallel group, whose forwards wait for each other, warm up together."""
     cpu = torch.device(device).type != "cuda"
     samples = layout.warmup_samples(CPU_WARMUP_SEQUENCE) if cpu else layout.warmup_samples()
     if not samples:
@@ -226,7 +229,7 @@ def warm_up(runner: TargetRunner, layout: Layout, device: torch.device | str, fo
         own = TargetRunner(runner.target, runner.layer_ids, topk=runner.topk, fused=runner.fused)
         own.run_batch(layout.build(samples, device))
         return time.perf_counter() - started
-    with node_lock(folder), parallel_autotune(compile_threads()):
+    with node_lock(folder) if one_rank_at_a_time else nullcontext(), parallel_autotune(compile_threads()):
         started = time.perf_counter()
         reach_every_kernel(runner, layout.build(samples, device))
         torch.cuda.synchronize(device)

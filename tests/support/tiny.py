@@ -8,7 +8,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from dflash_cache.data.dataset import Sample
 
@@ -53,6 +64,14 @@ def build_tokenizer(vocab_size: int = 384, chat_template: str | None = CHAT_TEMP
     return fast
 
 
+SLIDING_WINDOW = 16
+
+
+def every(period: int, kind: str, num_layers: int) -> list[str]:
+    """Layer kinds of a hybrid model: `kind`, with full attention every `period`-th layer."""
+    return ["full_attention" if i % period == period - 1 else kind for i in range(num_layers)]
+
+
 def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int = 64):
     common = dict(
         vocab_size=vocab_size,
@@ -67,15 +86,37 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
     )
     if arch == "qwen3":
         return Qwen3Config(**common)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    experts = dict(moe_intermediate_size=hidden // 2, num_experts=4, num_experts_per_tok=2)
+    # A window shorter than the test samples, so that it binds.
+    sliding = dict(sliding_window=SLIDING_WINDOW, layer_types=every(2, "sliding_attention", num_layers))
     if arch == "qwen3_5":
-        return Qwen3_5TextConfig(
+        return Qwen3_5TextConfig(**common, **linear, layer_types=every(3, "linear_attention", num_layers))
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":  # Mistral-7B-v0.3 and later: no sliding window
+        return MistralConfig(**common, sliding_window=None)
+    if arch == "mistral_sliding":  # Mistral-7B-v0.1's sliding window
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW)
+    if arch == "gemma3_text":
+        return Gemma3TextConfig(**common, query_pre_attn_scalar=16, **sliding)
+    if arch == "gemma3_text_wide":  # a window as long as extraction's default --max-length: it never binds
+        return Gemma3TextConfig(**common, query_pre_attn_scalar=16, **dict(sliding, sliding_window=8192))
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **experts, decoder_sparse_step=1)
+    if arch == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        return Qwen3_5MoeTextConfig(
             **common,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            layer_types=["linear_attention", "linear_attention", "full_attention"] * (num_layers // 3),
+            **linear,
+            **experts,
+            shared_expert_intermediate_size=hidden // 2,
+            layer_types=every(4, "linear_attention", num_layers),
         )
+    if arch == "gpt_oss":
+        # YaRN stretching the 2,048 positions from 64, so that its factor is the one it states
+        rope = dict(GptOssConfig().rope_parameters, original_max_position_embeddings=64)
+        return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope, **sliding)
     raise ValueError(arch)
 
 
@@ -87,6 +128,11 @@ def build_target(directory: Path, arch: str, num_layers: int = 6, seed: int = 0,
     # Random init gives near-uniform logits; sharpen the head so argmax is well separated.
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
+        # Experts likewise: random routers score experts nearly alike, and a rounding step then
+        # flips which ones a token takes.
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.mul_(20.0)
     directory.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
