@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     type=click.Choice(CODECS),
     default="bf16-zstd",
     show_default=True,
-    help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.",
+    help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes; fp4 and fp4-zstd "
+    "(4-bit values with a scale per 16) are lossier, about 0.28x.",
 )
 @click.option(
     "--gpus",
