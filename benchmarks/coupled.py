@@ -36,9 +36,9 @@ import torch
 from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.extract.buckets import BucketLayout
-from dflash_cache.extract.target import Target
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
+from dflash_cache.target.target import Target
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.distributed import init_rank, shutdown
 from dflash_cache.train.metrics import METRICS_FILE

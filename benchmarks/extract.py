@@ -8,7 +8,7 @@ A random-weight target is built on the GPU from a config (no weights on disk): Q
 Samples have random token ids and log-uniform lengths from 256 to 4096. Both runs use the batches
 the extraction plan makes at --batch-tokens, packed rows (default) or padded buckets (--batching padded):
   bare:    model(input_ids) with logits, nothing kept (what the target costs by itself): HF's own
-           modules, and with --fused-bare also through extract/fused.py's kernels
+           modules, and with --fused-bare also through target/fused.py's kernels
   plain:   with --plain, also HF's own padded forward (sdpa) on the pre-packing plan's first batches
   extract: the real per-rank extraction loop (hooks on 5 layers, chunked LM-head argmax, encode on
            the GPU, pinned copies, compression threads, shard writer with fsync) into --out
@@ -32,14 +32,14 @@ from benchmarks.targets import SHAPES, build_target, make_samples, target_config
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.extract.buckets import BucketLayout
-from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.runner import TargetRunner, padded_batch
-from dflash_cache.extract.target import resolve_layer_ids
-from dflash_cache.extract.varlen import packed_kernels
-from dflash_cache.extract.warmup import compile_threads, parallel_autotune
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.codecs import CODECS, compress, encode
+from dflash_cache.target.fused import fused_kernels
+from dflash_cache.target.runner import TargetRunner, padded_batch
+from dflash_cache.target.target import resolve_layer_ids
+from dflash_cache.target.varlen import packed_kernels
+from dflash_cache.target.warmup import compile_threads, parallel_autotune
 
 
 def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: str) -> dict[str, float]:
@@ -284,7 +284,7 @@ def main() -> None:
         )
     print(f"bare forward:  {result['bare_tok_s']:,.0f} tokens/s  MFU {result['bare_mfu']:.3f} (HF's modules)")
     print(
-        f"bare fused:    {result['bare_fused_tok_s']:,.0f} tokens/s  MFU {result['bare_fused_mfu']:.3f} (extract/fused.py)"
+        f"bare fused:    {result['bare_fused_tok_s']:,.0f} tokens/s  MFU {result['bare_fused_mfu']:.3f} (target/fused.py)"
     )
     print(
         f"extraction:    {result['extract_tok_s']:,.0f} tokens/s  ratio {result['ratio']:.3f}  "

@@ -12,7 +12,7 @@ warm bare forward of the same target on the same tokens, all in one call.
    deleted and the same command runs again with those folders kept (warm).
 4. In this process: the target loaded as extraction loads it, one warm-up row, then the bare
    forward (the model's own forward with logits, nothing kept) of every row of the same packed plan,
-   through HF's own modules ("bare", the reference of the ratios) and through extract/fused.py's
+   through HF's own modules ("bare", the reference of the ratios) and through target/fused.py's
    kernels ("bare fused", what extraction itself runs).
 
 Reported: each run's wall time, its compile seconds (the warm-up forward), its tokens/s from the
@@ -42,10 +42,10 @@ import torch
 from benchmarks.extract import matmul_tflops
 from benchmarks.targets import target_config, word_tokenizer
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.fused import fused_kernels
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.target import load_target
-from dflash_cache.extract.varlen import ATTENTION, packed_kernels
+from dflash_cache.target.fused import fused_kernels
+from dflash_cache.target.target import load_target
+from dflash_cache.target.varlen import ATTENTION, packed_kernels
 
 RANK_LINE = re.compile(r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")  # the CLI's summary line
 AHEAD_LINE = re.compile(r"kernels compiled and autotuned ahead, .*: ([\d.]+) s")

@@ -248,7 +248,7 @@ def num_layers(config: QualityConfig) -> int:
 
 
 def default_layers(config: QualityConfig) -> list[int]:
-    from dflash_cache.extract.target import resolve_layer_ids
+    from dflash_cache.target.target import resolve_layer_ids
 
     return resolve_layer_ids(num_layers(config), None, None)
 

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.info import config_hash
-from dflash_cache.extract.target import Target
+from dflash_cache.target.info import config_hash
+from dflash_cache.target.target import Target
 
 VOCAB = 151936
 SHAPES = ["qwen3-8b", "qwen3.6-27b-cut", "tiny"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.targets import target_config
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.warmup import start_background_warmup, warm_up_small_model
+from dflash_cache.target.warmup import start_background_warmup, warm_up_small_model
 
 
 def main() -> None:

@@ -31,9 +31,9 @@ from dflash_cache.eval.speculative import (
     SpeculativeReport,
     evaluate_speculative,
 )
-from dflash_cache.extract.info import read_target_info
 from dflash_cache.extract.pipeline import ExtractOptions, ExtractSummary, extract
 from dflash_cache.folders import check_holds_only
+from dflash_cache.target.info import read_target_info
 from dflash_cache.train.checkpoint import latest_checkpoint
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.metrics import METRICS_FILE

@@ -53,7 +53,7 @@ def quick_autotuning(request):
     if "gpu" not in request.keywords or "own_autotuning" in request.keywords or not torch.cuda.is_available():
         yield
         return
-    from dflash_cache.extract.warmup import compile_threads, parallel_autotune
+    from dflash_cache.target.warmup import compile_threads, parallel_autotune
 
     with parallel_autotune(compile_threads()):
         yield

@@ -22,8 +22,8 @@ from dflash_cache.eval import (
 from dflash_cache.eval.decode import greedy_generate, speculative_generate
 from dflash_cache.eval.drafters import check_fits, read_drafter
 from dflash_cache.eval.prompts import load_prompts
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
 from dflash_cache.train.checkpoint import COMPLETE
 from dflash_cache.train.train import train
 from dflash_cache_cli.main import main

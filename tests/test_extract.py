@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.tokenize import tokenize_conversation
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
+from dflash_cache.target.runner import TargetRunner
 from tests.tiny import write_conversations
 
 LAYERS = [1, 4]

@@ -15,11 +15,11 @@ from dflash_cache import open_cache
 from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target
 from dflash_cache.extract.worker import RankJob, run_rank
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
 from dflash_cache.store.verify import verify_cache
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
 
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"  # the CPU run checks the test itself
 LAYERS = [1, 4]

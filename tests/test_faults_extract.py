@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dflash_cache import DFlashCacheError, open_cache
-from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.store.verify import verify_cache
+from dflash_cache.target.runner import TargetRunner
 from tests.fulldisk import can_mount_tmpfs, fill_at
 from tests.test_extract import assert_same_cache, cli, extract_args, run_extract
 from tests.tiny import CORPUS, build_target, write_conversations
@@ -263,7 +263,7 @@ def test_real_cuda_oom_splits_down_to_single_samples(tmp_path):
     from dflash_cache.data.dataset import Sample
     from dflash_cache.extract.buckets import BucketLayout
     from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
-    from dflash_cache.extract.target import load_target
+    from dflash_cache.target.target import load_target
 
     target = load_target(build_target(tmp_path / "wide", "qwen3", hidden=1024), "cuda:0")
     runner = TargetRunner(target, [1, 4])

@@ -61,7 +61,7 @@ def test_resume_of_a_cache_another_format_version_started_is_refused(setup, tmp_
 
 
 def test_the_quick_weights_hash_tells_weights_apart_and_is_recorded(setup, tmp_path):
-    from dflash_cache.extract.weights import weights_digest
+    from dflash_cache.target.weights import weights_digest
 
     target, other, _ = setup
     quick = weights_digest(target, content=False)
@@ -72,8 +72,8 @@ def test_the_quick_weights_hash_tells_weights_apart_and_is_recorded(setup, tmp_p
 
 
 def test_the_content_hash_is_computed_once_per_file(setup, tmp_path, monkeypatch):
-    from dflash_cache.extract import weights
-    from dflash_cache.extract.weights import weights_digest
+    from dflash_cache.target import weights
+    from dflash_cache.target.weights import weights_digest
 
     target, _, _ = setup
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))

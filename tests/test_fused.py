@@ -1,4 +1,4 @@
-"""extract/fused.py's kernels against HF's own qwen3_5 modules, and the warm-up's parallel autotuning."""
+"""target/fused.py's kernels against HF's own qwen3_5 modules, and the warm-up's parallel autotuning."""
 
 import importlib
 
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.fused import fusable, fused_kernels
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target
-from dflash_cache.extract.varlen import ATTENTION
-from dflash_cache.extract.warmup import compile_all_kernels_at_once, parallel_autotune, time_by_count
+from dflash_cache.target.fused import fusable, fused_kernels
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
+from dflash_cache.target.varlen import ATTENTION
+from dflash_cache.target.warmup import compile_all_kernels_at_once, parallel_autotune, time_by_count
 from tests.tiny import build_target
 
 QWEN3_5 = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")

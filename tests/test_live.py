@@ -9,10 +9,10 @@ from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from dflash_cache.live import LiveSource
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.epochs import TRAIN, EpochPlan, batch_seed
 from dflash_cache.stream.loader import Loader
+from dflash_cache.train.live import LiveSource
 
 LAYERS = [1, 4]
 SEED = 3

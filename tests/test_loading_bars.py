@@ -4,7 +4,7 @@ progress lines are the tool's progress, and a library caller's own bars are left
 from click.testing import CliRunner
 from transformers.utils import logging as hf_logging
 
-from dflash_cache.extract.target import load_target
+from dflash_cache.target.target import load_target
 from dflash_cache_cli.main import main
 from tests.test_eval import random_drafter
 

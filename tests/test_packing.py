@@ -11,9 +11,9 @@ import torch
 from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout, plan_rows
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target
-from dflash_cache.extract.varlen import ATTENTION, packed_kernels
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
+from dflash_cache.target.varlen import ATTENTION, packed_kernels
 
 
 def lognormal_lengths(n: int, seed: int = 0, longest: int = 8192) -> list[int]:

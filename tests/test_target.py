@@ -16,10 +16,10 @@ from transformers import (
 )
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.info import config_hash
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target, resolve_layer_ids
+from dflash_cache.target.head import save_target_files
+from dflash_cache.target.info import config_hash
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target, resolve_layer_ids
 from tests.tiny import build_tokenizer, target_config
 
 # --- layer ids ---------------------------------------------------------------------------------

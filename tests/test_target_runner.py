@@ -9,9 +9,9 @@ from dflash_cache.data.dataset import Sample
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import SampleOutOfMemory, run_with_split
-from dflash_cache.extract.target import load_target
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
 
 LAYERS = [0, 2, 3, 5]  # first, middle and last (5) of the tiny 6-layer targets
 # Longest sample crosses the 64-token chunk of the linear-attention kernel; the pads are random

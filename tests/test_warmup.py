@@ -1,4 +1,4 @@
-"""The rank's warm-up forward (extract/warmup.py) on the CPU: where it stops. Its compiling and
+"""The rank's warm-up forward (target/warmup.py) on the CPU: where it stops. Its compiling and
 autotuning run on a GPU only (tests/test_fused.py)."""
 
 import importlib.util
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dflash_cache.extract.packing import PackedLayout
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import load_target
-from dflash_cache.extract.varlen import ATTENTION
-from dflash_cache.extract.warmup import reach_every_kernel
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import load_target
+from dflash_cache.target.varlen import ATTENTION
+from dflash_cache.target.warmup import reach_every_kernel
 from tests.test_packing import LENGTHS, random_samples
 
 

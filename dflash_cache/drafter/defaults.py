@@ -17,7 +17,7 @@ import torch
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.info import read_target_info
+from dflash_cache.target.info import read_target_info
 
 TARGET = "target"  # the --drafter name of this rule
 LAYERS = 5

@@ -11,7 +11,7 @@ Speculative decoding, one cycle:
 so a cycle yields m+1 tokens for one target forward, and every yielded token is the target's argmax
 after the tokens before it: the output is the target's greedy output.
 
-Where the target's KV cache can be cut back (every layer plain attention, kvcache.py), a cycle's
+Where the target's KV cache can be cut back (every layer plain attention, target/kvcache.py), a cycle's
 verifying forward runs only the block x_a, d_1 .. d_{B-1} against the cache, which then drops the
 rejected drafts; the drafter's context features are those of each forward's kept positions. Where
 it cannot (the recurrent state of hybrid linear-attention targets cannot drop a rejected suffix), the
@@ -28,8 +28,8 @@ import torch
 
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.kvcache import cache_kwargs, crop_cache, new_cache, returned_cache
+from dflash_cache.target.kvcache import cache_kwargs, crop_cache, new_cache, returned_cache
+from dflash_cache.target.runner import TargetRunner
 
 # (tokens [a+1] int64 ending with the newest token, context features [a, L*H] bf16) -> drafts [B-1] int64
 Drafter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

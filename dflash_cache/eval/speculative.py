@@ -3,7 +3,7 @@
 For every prompt the target decodes twice: speculatively with the drafter (decode.py) and plainly
 greedy with its KV cache. The two outputs must be equal token for token, or the evaluation stops
 with an error naming the prompt and the first differing token. Where the speculative decoding runs
-on the KV cache too (a target whose cache can be cut back, kvcache.py), the two wall times compare
+on the KV cache too (a target whose cache can be cut back, target/kvcache.py), the two wall times compare
 like with like and their ratio is the speed-up; elsewhere no speed-up is claimed.
 
 The target runs in float32 by default. Equality is exact math, but the two decodings run the target
@@ -32,11 +32,11 @@ from dflash_cache.eval.decode import (
 )
 from dflash_cache.eval.drafters import build_drafter, check_fits, read_drafter
 from dflash_cache.eval.prompts import load_prompts
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import Target, load_target
-from dflash_cache.kvcache import croppable
-from dflash_cache.live import target_head
+from dflash_cache.target.kvcache import croppable
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import Target, load_target
 from dflash_cache.train.budget import is_out_of_memory
+from dflash_cache.train.live import target_head
 
 DTYPES = {name: getattr(torch, name) for name in TARGET_DTYPES}
 # (prompts, new tokens per prompt) by device type: a CPU affords fewer and shorter decodings.

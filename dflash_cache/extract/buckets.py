@@ -20,7 +20,7 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import Batches, length_buckets
-from dflash_cache.extract.batch import ForwardBatch, padded_rows
+from dflash_cache.target.batch import ForwardBatch, padded_rows
 
 
 @dataclass(frozen=True)

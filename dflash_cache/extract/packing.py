@@ -3,7 +3,7 @@ runs on one input shape for the whole run, whatever the data (kernels are compil
 once, not once per batch shape), and computes no padding except at the end of a row.
 
 Each sample sees only itself: the row carries the sample boundaries (`cu_seqlens`) and positions
-restarting at 0, which every layer honours (extract/varlen.py).
+restarting at 0, which every layer honours (target/varlen.py).
 
 The plan fills rows greedily: a row starts with the longest sample left, then takes the longest
 sample that still fits until none does. Rows come out from long samples to short (an
@@ -23,8 +23,8 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.plan import Batches
-from dflash_cache.extract.batch import ForwardBatch, to_device
-from dflash_cache.extract.varlen import ATTENTION
+from dflash_cache.target.batch import ForwardBatch, to_device
+from dflash_cache.target.varlen import ATTENTION
 
 ROUND = 64  # a row cut by an out-of-memory split keeps a length in multiples of this
 WARMUP_SEQUENCE = 2048  # the warm-up row is cut into sequences of this length, like real data

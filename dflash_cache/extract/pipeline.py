@@ -30,14 +30,9 @@ from dflash_cache.data.plan_file import kept_plan
 from dflash_cache.data.readers import check_data_file
 from dflash_cache.data.tokenized import TokenizedData, tokenized_data
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.batch import Layout
 from dflash_cache.extract.buckets import BucketLayout
-from dflash_cache.extract.info import TargetInfo, read_target_info
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
-from dflash_cache.extract.target import resolve_layer_ids
-from dflash_cache.extract.varlen import packed_support
-from dflash_cache.extract.warmup import start_background_warmup
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.folders import check_holds_only
 from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
@@ -55,13 +50,18 @@ from dflash_cache.store.manifest import (
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
+from dflash_cache.target.batch import Layout
+from dflash_cache.target.info import TargetInfo, read_target_info
+from dflash_cache.target.target import resolve_layer_ids
+from dflash_cache.target.varlen import packed_support
+from dflash_cache.target.warmup import start_background_warmup
 
 HEAD = "target/head.safetensors"
 
 
 # Tokens per target forward by device type. A CPU runs a 135M-parameter target at a few thousand
 # tokens per second: rows of 4,096 tokens take seconds each, so progress moves row by row and the
-# CPU's warm-up row (extract/warmup.py) stays small.
+# CPU's warm-up row (target/warmup.py) stays small.
 TOKEN_BUDGETS = {"cuda": 49152, "cpu": 4096}
 
 
@@ -87,9 +87,9 @@ class ExtractOptions:
     strict_template: bool = False  # a template that does not render a conversation faithfully is a bad record
     max_record_bytes: int | None = None  # longer JSONL lines are bad records; None: from max_length
     batching: str = "auto"  # packed | padded | auto (packed where the target supports it exactly)
-    kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see extract/warmup.py)
+    kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see target/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
-    hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (extract/weights.py)
+    hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (target/weights.py)
 
 
 @dataclass

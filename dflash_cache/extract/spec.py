@@ -6,9 +6,9 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from dflash_cache.extract.info import TargetInfo
-from dflash_cache.extract.weights import weights_digest
 from dflash_cache.store.schema import FORMAT_VERSION
+from dflash_cache.target.info import TargetInfo
+from dflash_cache.target.weights import weights_digest
 
 HIDDEN_DTYPE = "bfloat16"
 
@@ -46,7 +46,7 @@ def make_spec(
 ) -> dict:
     """`token_budget`: tokens per target forward, which decides how samples are batched and so the
     bf16 rounding of their hidden states (None for a live target, which batches its own way);
-    `layout`: the extraction's batch layout (extract/batch.py), None for a live target."""
+    `layout`: the extraction's batch layout (target/batch.py), None for a live target."""
     return {
         "target": {
             "name": target.path.name,

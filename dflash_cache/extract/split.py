@@ -9,8 +9,8 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.batch import ForwardBatch, Layout
-from dflash_cache.extract.runner import TargetOutput, TargetRunner
+from dflash_cache.target.batch import ForwardBatch, Layout
+from dflash_cache.target.runner import TargetOutput, TargetRunner
 
 
 class SampleOutOfMemory(DFlashCacheError):

@@ -26,18 +26,18 @@ import torch
 from dflash_cache import faults
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.batch import Layout, to_device
 from dflash_cache.extract.checks import describe_problem, layer_health
-from dflash_cache.extract.head import save_target_files
-from dflash_cache.extract.runner import TargetRunner
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
-from dflash_cache.extract.target import Target, load_target
-from dflash_cache.extract.warmup import use_kernel_cache, warm_up
 from dflash_cache.store.codecs import compress, encode, encoded_size
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
+from dflash_cache.target.batch import Layout, to_device
+from dflash_cache.target.head import save_target_files
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import Target, load_target
+from dflash_cache.target.warmup import use_kernel_cache, warm_up
 from dflash_cache.write_errors import write_failed
 
 GIL_SWITCH_S = 0.0002

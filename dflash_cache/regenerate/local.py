@@ -28,12 +28,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from dflash_cache.errors import DFlashCacheError, first_line
-from dflash_cache.extract.info import read_target_info
-from dflash_cache.kvcache import cache_kwargs, returned_cache
-from dflash_cache.loading_bars import no_loading_bars
 from dflash_cache.regenerate.client import RequestFailed
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
+from dflash_cache.target.info import read_target_info
+from dflash_cache.target.kvcache import cache_kwargs, returned_cache
+from dflash_cache.target.loading_bars import no_loading_bars
 
 MAX_BATCH = 16  # conversations generated together by one replica
 GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)

@@ -20,13 +20,13 @@ import torch
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.target import Target
-from dflash_cache.live import LiveSource
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.follow import FollowedCache, Waiter
 from dflash_cache.stream.loader import Loader
+from dflash_cache.target.target import Target
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.distributed import visible_gpus
+from dflash_cache.train.live import LiveSource
 from dflash_cache.train.model import check_head
 
 Batches = AbstractContextManager[Iterator[FeatureBatch]]

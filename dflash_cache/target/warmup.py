@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.extract.batch import Layout
-from dflash_cache.extract.runner import TargetRunner
-from dflash_cache.extract.target import Target
+from dflash_cache.target.batch import Layout
+from dflash_cache.target.runner import TargetRunner
+from dflash_cache.target.target import Target
 
 # The CPU's warm-up row is cut into sequences of at most this many tokens, not packing's 2,048: nothing
 # is compiled for their lengths there, and the CPU computes attention per sequence, at the square of its

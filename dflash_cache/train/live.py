@@ -29,11 +29,11 @@ from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.buckets import BucketLayout
-from dflash_cache.extract.info import read_target_info
-from dflash_cache.extract.runner import TargetRunner, padded_batch
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
-from dflash_cache.extract.target import Target, load_target, resolve_layer_ids
 from dflash_cache.stream.caches import is_held_out
+from dflash_cache.target.info import read_target_info
+from dflash_cache.target.runner import TargetRunner, padded_batch
+from dflash_cache.target.target import Target, load_target, resolve_layer_ids
 
 LIVE_CODEC = "live"  # the `codec` of a live source's spec: hidden states are never encoded
 

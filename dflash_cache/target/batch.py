@@ -52,7 +52,7 @@ class ForwardBatch:
         return torch.cat([torch.arange(int(o), int(o + n)) for o, n in zip(self.token_offsets(), self.lengths)])
 
     def forward_kwargs(self) -> dict:
-        """What the model's forward takes besides input_ids (extract/varlen.py reads the lengths)."""
+        """What the model's forward takes besides input_ids (target/varlen.py reads the lengths)."""
         if self.cu_seqlens is None:
             return {}
         return {

@@ -1,4 +1,4 @@
-"""Run the target on one forward batch (packed rows or right-padded rows, extract/batch.py): capture
+"""Run the target on one forward batch (packed rows or right-padded rows, target/batch.py): capture
 the chosen layers with hooks, and label every real token with the target's own next-token
 prediction through a chunked LM head."""
 
@@ -11,11 +11,11 @@ from functools import partial
 import torch
 
 from dflash_cache.data.dataset import Sample
-from dflash_cache.extract.batch import ForwardBatch, padded_rows, to_device
-from dflash_cache.extract.fused import fused_kernels
-from dflash_cache.extract.target import Target
-from dflash_cache.extract.varlen import packed_kernels
-from dflash_cache.kvcache import Cache, cache_kwargs
+from dflash_cache.target.batch import ForwardBatch, padded_rows, to_device
+from dflash_cache.target.fused import fused_kernels
+from dflash_cache.target.kvcache import Cache, cache_kwargs
+from dflash_cache.target.target import Target
+from dflash_cache.target.varlen import packed_kernels
 
 
 @dataclass
@@ -56,7 +56,7 @@ class TargetRunner:
         self.topk = topk
         self.labels = labels
         self.lm_head_chunk = lm_head_chunk
-        self.fused = fused  # packed rows through extract/fused.py's kernels where the target has them
+        self.fused = fused  # packed rows through target/fused.py's kernels where the target has them
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: Cache | None = None) -> TargetOutput:
@@ -71,7 +71,7 @@ class TargetRunner:
         """No attention mask is passed. Padded rows need none: with causal attention, and with the
         causal conv and recurrence of linear-attention layers, tokens after position t never change
         position t, so the padding tail cannot alter the real tokens. Packed rows carry their sample
-        boundaries instead (extract/varlen.py). Tests check both against each sample run alone.
+        boundaries instead (target/varlen.py). Tests check both against each sample run alone.
         """
         input_ids = fb.input_ids
         batch, seq = input_ids.shape

@@ -15,8 +15,8 @@ from transformers import (
 )
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.extract.info import SUPPORTED, read_target_info
-from dflash_cache.loading_bars import no_loading_bars
+from dflash_cache.target.info import SUPPORTED, read_target_info
+from dflash_cache.target.loading_bars import no_loading_bars
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Target:
 def load_target(
     path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, attention: str = "sdpa"
 ) -> Target:
-    """`attention`: "sdpa", or extract/varlen.py's implementation for packed rows."""
+    """`attention`: "sdpa", or target/varlen.py's implementation for packed rows."""
     info = read_target_info(path)
     path = info.path
     # Loaded on the CPU then moved: placing weights straight on a device needs `accelerate`.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.extract.target import Target
 from dflash_cache.safetensors_file import save_tensors
+from dflash_cache.target.target import Target
 
 
 def norm_weight_offset(norm: torch.nn.Module, eps: float) -> float:

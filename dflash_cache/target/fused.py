@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from dflash_cache.extract.varlen import HYBRID_PACKABLE, QWEN3_5_MODULE, linear_attention_kernels
+from dflash_cache.target.varlen import HYBRID_PACKABLE, QWEN3_5_MODULE, linear_attention_kernels
 
 
 @lru_cache(maxsize=1)
