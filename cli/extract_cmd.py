@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from dflash_cache.choices import CODECS
 from dflash_cache.progress import ProgressLog
+from dflash_cache.store.subspace import SubspaceOptions
 from dflash_cache_cli.options import INT_LIST, LAYER_RULE
 
 if TYPE_CHECKING:
@@ -44,7 +45,23 @@ if TYPE_CHECKING:
     default="bf16-zstd",
     show_default=True,
     help="bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes; fp4 and fp4-zstd "
-    "(4-bit values with a scale per 16) are lossier, about 0.28x.",
+    "(4-bit values with a scale per 16) are lossier, about 0.28x. subspace-C stores each token's "
+    "coordinates on a basis fitted to --subspace-sample, coded by C.",
+)
+@click.option(
+    "--subspace-sample",
+    type=click.Path(path_type=Path),
+    help="subspace codecs: a cache of this target and layers (e.g. a small bf16-zstd extraction) whose states the basis is fitted on.",
+)
+@click.option(
+    "--subspace-rank",
+    type=int,
+    help="subspace codecs: coordinates a token keeps (a multiple of 64); default: as many as --subspace-energy needs.",
+)
+@click.option(
+    "--subspace-energy",
+    type=float,
+    help=f"subspace codecs: share of the sample's sum of squares the coordinates keep (default {SubspaceOptions.energy}).",
 )
 @click.option(
     "--gpus",
@@ -165,6 +182,9 @@ def command(
     batching,
     kernel_cache,
     skip_weights_hash,
+    subspace_sample,
+    subspace_rank,
+    subspace_energy,
 ):
     """Run the target once over the data and write its hidden states to a cache.
 
@@ -198,6 +218,13 @@ def command(
         batching=batching,
         kernel_cache=kernel_cache,
         hash_weights=not skip_weights_hash,
+        subspace=None
+        if subspace_sample is None
+        else SubspaceOptions(
+            subspace_sample,
+            rank=subspace_rank,
+            **({} if subspace_energy is None else {"energy": subspace_energy}),
+        ),
     )
     bar = log = None
     written = [0, 0.0]  # bytes, seconds waiting on the disk

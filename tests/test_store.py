@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_cache import DFlashCacheError, open_cache
-from dflash_cache.store.codecs import CODECS, compress, decode, decompress, encode, encoded_size
+from dflash_cache.store.codecs import CODECS, SUBSPACE_CODECS, compress, decode, decompress, encode, encoded_size
 from dflash_cache.store.manifest import build_manifest, manifest_checksum, read_journals, write_manifest
 from dflash_cache.store.shard import ShardReader, ShardWriter
 from dflash_cache.store.verify import verify_cache
@@ -55,7 +55,7 @@ def test_bf16_zstd_high_byte_plane_comes_first():
     assert planes.tolist() == raw[:, 1].tolist() + raw[:, 0].tolist()
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", [c for c in CODECS if c not in SUBSPACE_CODECS])  # those: test_subspace
 def test_cache_roundtrip_random_access(tmp_path, codec):
     spec = random_spec(codec=codec)
     lengths = [5, 17, 1, 33, 8, 12, 3]

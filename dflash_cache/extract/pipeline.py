@@ -33,6 +33,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
+from dflash_cache.extract.subspace_basis import prepare_basis
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.folders import check_holds_only
 from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
@@ -50,6 +51,7 @@ from dflash_cache.store.manifest import (
 from dflash_cache.store.remote import RemoteDir, is_remote, local_path
 from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, TMP_SUFFIX, cut_torn_line
 from dflash_cache.store.staging import Uploader, default_staging
+from dflash_cache.store.subspace import SubspaceOptions, is_subspace
 from dflash_cache.target.batch import Layout
 from dflash_cache.target.info import TargetInfo, read_target_info
 from dflash_cache.target.target import resolve_layer_ids
@@ -90,6 +92,7 @@ class ExtractOptions:
     kernel_cache: Path | None = None  # compilers' disk caches; None: Triton's own (see target/warmup.py)
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
     hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (target/weights.py)
+    subspace: SubspaceOptions | None = None  # how a subspace codec's basis is fitted
 
 
 @dataclass
@@ -270,6 +273,8 @@ def extract(
         )
         if opts.chat_template_kwargs:
             spec["chat_template_kwargs"] = opts.chat_template_kwargs
+        if is_subspace(opts.codec):
+            spec["subspace"] = prepare_basis(opts.subspace, spec, root, remote, devices[0], dist is not None, on_note)
         ranks = None if dist is None else rank_ids  # whose shard files this process may delete
         state = scan_journals(store, data.rows_of, len(data.sample_ids), ranks)
         if state.spec is not None and state.spec != spec:

@@ -26,7 +26,7 @@ import torch
 
 from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.codecs import SCALED_CODECS, decode, decompress_into, plane_layout
+from dflash_cache.store.codecs import decode, decompress_into, plane_layout, scale_columns
 from dflash_cache.store.schema import Row
 from dflash_cache.stream.caches import CacheSet
 
@@ -66,7 +66,7 @@ def empty_host_batch(
     n = offsets[-1]
     num_planes, token_bytes = plane_layout(caches.codec, caches.width)
     new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
-    layers = len(caches.spec["layer_ids"])
+    columns = scale_columns(caches.spec)
     plane_bytes = n * token_bytes
     k = caches.spec.get("topk", 0) if topk else 0
     buffer = new(num_planes * max(n, capacity_tokens) * token_bytes, dtype=torch.uint8)
@@ -78,7 +78,7 @@ def empty_host_batch(
         loss_mask=new(n, dtype=torch.bool),
         target_ids=new(n, dtype=torch.int64),
         planes=buffer[: num_planes * plane_bytes].view(num_planes, plane_bytes),
-        scales=new(n, layers, dtype=torch.float32) if caches.codec in SCALED_CODECS else None,
+        scales=new(n, columns, dtype=torch.float32) if columns else None,
         cu_seqlens=new(len(offsets), dtype=torch.int32).copy_(torch.tensor(offsets, dtype=torch.int32)),
         topk_ids=new(n, k, dtype=torch.int64) if k else None,
         topk_logprobs=new(n, k, dtype=torch.float32) if k else None,

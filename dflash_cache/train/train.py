@@ -33,6 +33,7 @@ from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.lock import FolderLock
 from dflash_cache.store.pool import default_pool_size
+from dflash_cache.store.subspace import spec_basis
 from dflash_cache.stream.epochs import (
     EVAL,
     TRAIN,
@@ -242,7 +243,8 @@ def run(
         echo(f"memory: {memory.describe()}; {gb(have)} {what}")
     share = me.world if me.device.type == "cpu" else 1  # CPU ranks share this machine's RAM
     check_fits(memory, me.device, cfg.token_budget, cfg.max_anchors, (have // share, what))
-    model = build_drafter(config, source.head(me.device), me.device, cfg.seed)
+    basis = spec_basis(source.spec, source.tokenizer_dir) if config.subspace_rank else None
+    model = build_drafter(config, source.head(me.device), me.device, cfg.seed, basis)
     if me.device.type == "cpu":  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
         model.attention = "dense"
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -256,7 +258,11 @@ def run(
 
     ddp = model
     if me.world > 1:
-        ddp = DistributedDataParallel(model, device_ids=[me.device.index] if me.device.type == "cuda" else None)
+        # broadcast_buffers off: the buffers (a subspace basis, up to hundreds of MB) are the same on
+        # every rank and never change; broadcasting them would cost a copy every forward
+        ddp = DistributedDataParallel(
+            model, device_ids=[me.device.index] if me.device.type == "cuda" else None, broadcast_buffers=False
+        )
     anchor_budget = None
     if cfg.compile:
         anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
