@@ -49,6 +49,11 @@ if TYPE_CHECKING:
     "coordinates on a basis fitted to --subspace-sample, coded by C.",
 )
 @click.option(
+    "--skip-disk-check",
+    is_flag=True,
+    help="Start even when the output's file system looks too small for the cache (the estimate is stated either way).",
+)
+@click.option(
     "--subspace-sample",
     type=click.Path(path_type=Path),
     help="subspace codecs: a cache of this target and layers (e.g. a small bf16-zstd extraction) whose states the basis is fitted on.",
@@ -185,6 +190,7 @@ def command(
     subspace_sample,
     subspace_rank,
     subspace_energy,
+    skip_disk_check,
 ):
     """Run the target once over the data and write its hidden states to a cache.
 
@@ -218,6 +224,7 @@ def command(
         batching=batching,
         kernel_cache=kernel_cache,
         hash_weights=not skip_weights_hash,
+        check_disk=not skip_disk_check,
         subspace=None
         if subspace_sample is None
         else SubspaceOptions(

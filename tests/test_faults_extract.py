@@ -178,7 +178,14 @@ def test_full_disk_during_a_shard_write(setup, tmp_path):
     disk, saved = tmp_path / "disk", tmp_path / "saved"
     disk.mkdir()
     command = " ".join(
-        f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *extract_args(target, data, disk / "cache")]
+        f"'{a}'"
+        for a in [
+            sys.executable,
+            "-m",
+            "dflash_cache_cli.main",
+            *extract_args(target, data, disk / "cache"),
+            "--skip-disk-check",  # the disk is to fill up mid-run, not be refused before
+        ]
     )
     script = f"""
         mount -t tmpfs -o size=540k tmpfs '{disk}' || exit 99

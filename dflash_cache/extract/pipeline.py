@@ -39,6 +39,7 @@ from dflash_cache.folders import check_holds_only
 from dflash_cache.lock import LOCK_DIR, FolderLock, launch_key, make_folder
 from dflash_cache.store.cache import TARGET_DIR
 from dflash_cache.store.codecs import check_codec
+from dflash_cache.store.disk_need import check_disk, disk_need
 from dflash_cache.store.manifest import (
     MANIFEST,
     build_manifest,
@@ -93,6 +94,7 @@ class ExtractOptions:
     staging: Path | None = None  # remote --out: local folder for shards until uploaded (default: under the temp dir)
     hash_weights: bool = True  # False: identify the weights by headers and samples of their bytes (target/weights.py)
     subspace: SubspaceOptions | None = None  # how a subspace codec's basis is fitted
+    check_disk: bool = True  # refuse a run whose cache the output's file system cannot hold
 
 
 @dataclass
@@ -284,6 +286,11 @@ def extract(
             raise DFlashCacheError(
                 f"{store} has a manifest but no journals; it was not written by extract, use another --out"
             )
+        if remote is None:  # a remote cache's staging folder holds a few shards at a time
+            need = disk_need(root, int(data.lengths.sum()) - state.done.total(data.lengths), spec)
+            if opts.check_disk:
+                check_disk(need, opts.codec)
+            on_note(need.describe(opts.codec))
         writing = True
         for rank in rank_ids:  # this run's own journals only: another launch's ranks may be appending to theirs
             _cut_torn_journal(root / JOURNAL_DIR / f"r{rank}.jsonl", on_note)
