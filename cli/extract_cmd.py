@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 @click.option(
     "--subspace-energy",
     type=float,
-    help=f"subspace codecs: share of the sample's sum of squares the coordinates keep (default {SubspaceOptions.energy}).",
+    help=f"subspace codecs: share of a token's sum of squares the coordinates keep, on average over the sample (default {SubspaceOptions.energy}).",
 )
 @click.option(
     "--gpus",

@@ -17,7 +17,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.store.codecs import compress, decode, decompress, encode, encoded_size
-from dflash_cache.store.subspace import BASIS_FILE, SubspaceOptions, fit_basis, gram, load_basis
+from dflash_cache.store.subspace import BASIS_FILE, SubspaceOptions, fit_basis, gram, load_basis, token_shares
 from dflash_cache.store.verify import verify_cache
 from tests.test_drafter_helpers import random_batch
 from tests.test_export import BLOCK, reference_model_class
@@ -45,6 +45,14 @@ def test_the_basis_spans_the_top_singular_vectors():
     top = torch.linalg.svd(x.double(), full_matrices=False).Vh[:40].T.float()  # an independent fit
     torch.testing.assert_close(basis[:, :40] @ basis[:, :40].T, top @ top.T, atol=1e-3, rtol=0)
     assert fit_basis(gram([x], "cpu")[0], 128, 0.5)[0].shape == (WIDTH, 128)  # a given rank wins
+
+
+def test_token_shares_by_hand():
+    """Token (3, 4, 0) keeps 9/25 on the first axis and all on two; token (0, 0, 2) nothing until the
+    third: the means are 0.18, 0.5 and 1."""
+    x = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 2.0]], dtype=torch.float64)
+    shares = token_shares([x], torch.eye(3, dtype=torch.float64))
+    torch.testing.assert_close(shares, torch.tensor([0.18, 0.5, 1.0], dtype=torch.float64))
 
 
 @pytest.fixture(scope="module")

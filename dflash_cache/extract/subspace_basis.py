@@ -76,7 +76,7 @@ def prepare_basis(
     check_options(opts, width)
     cache = _sample_cache(opts, spec)
     g, tokens = gram(sample_chunks(cache, opts.sample_tokens), device)
-    basis, kept = fit_basis(g, opts.rank, opts.energy)
+    basis, kept = fit_basis(g, opts.rank, opts.energy, sample_chunks(cache, opts.sample_tokens))
     del g
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -84,6 +84,6 @@ def prepare_basis(
     tmp.replace(path)
     on_note(
         f"subspace basis fitted on {tokens} tokens of {opts.sample}: {basis.shape[1]} of {width} dimensions "
-        f"keep {kept:.4%} of their sum of squares"
+        f"keep {kept:.4%} of a token's sum of squares (the mean over the sample's tokens)"
     )
     return {"rank": basis.shape[1], "sha256": file_sha256(path)}

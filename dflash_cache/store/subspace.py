@@ -46,7 +46,7 @@ def inner_groups(rank: int) -> int:
 class SubspaceOptions:
     sample: Path  # a cache of the same target and layers (any codec) whose states the basis is fitted on
     rank: int | None = None  # k; None: the least multiple of GROUP that keeps `energy`
-    energy: float = 0.999  # share of the sample's sum of squares the coordinates keep
+    energy: float = 0.999  # share of a token's sum of squares the coordinates keep, on average
     sample_tokens: int = 65536  # tokens of the sample read (its first samples)
 
 
@@ -74,14 +74,32 @@ def gram(chunks: Iterable[torch.Tensor], device) -> tuple[torch.Tensor, int]:
     return total, tokens
 
 
-def fit_basis(g: torch.Tensor, rank: int | None, energy: float) -> tuple[torch.Tensor, float]:
+def token_shares(chunks: Iterable[torch.Tensor], vectors: torch.Tensor) -> torch.Tensor:
+    """[W]: entry j-1 is the mean over the tokens of the share of a token's sum of squares that the
+    first j vectors keep. A few massive dimensions (|x| ~ 10^4) hold nearly all of the sample's sum
+    of squares, so its share says little about the other dimensions of each token; this does."""
+    import torch
+
+    total, tokens = torch.zeros(vectors.shape[1], dtype=vectors.dtype, device=vectors.device), 0
+    for chunk in chunks:
+        x = chunk.to(device=vectors.device, dtype=vectors.dtype)
+        kept = (x @ vectors).square().cumsum(1) / x.square().sum(1, keepdim=True).clamp_min(1e-300)
+        total += kept.sum(0)
+        tokens += x.shape[0]
+    return total / max(tokens, 1)
+
+
+def fit_basis(
+    g: torch.Tensor, rank: int | None, energy: float, chunks: Iterable[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, float]:
     """Top right singular vectors of the sample (eigenvectors of its Gram matrix g), largest first:
-    (float32 [W, k], the share of the sample's sum of squares they keep)."""
+    (float32 [W, k], the share of the sum of squares they keep). The share is the sample's, or with
+    `chunks` (the sample again) the mean of each token's (`token_shares`); `energy` applies to it."""
     import torch
 
     values, vectors = torch.linalg.eigh(g)  # ascending
     values, vectors = values.flip(0).clamp_min(0), vectors.flip(1)
-    kept = values.cumsum(0) / values.sum().clamp_min(1e-300)
+    kept = values.cumsum(0) / values.sum().clamp_min(1e-300) if chunks is None else token_shares(chunks, vectors)
     if rank is None:
         needed = int((kept < energy).sum()) + 1
         rank = min(math.ceil(needed / GROUP) * GROUP, g.shape[0])
