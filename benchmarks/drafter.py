@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.profiling import profile_run
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.train.optim import build_optimizer, clipped_step, gradient_norm
 
 PEER_SEED = 1234  # the generator seed of speculators 0.9.0's step script

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.drafter import add_step_shape_arguments
 from benchmarks.profiling import cuda_mean_ms
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head_loss import LOGITS_PER_CHUNK, chunk_sizes
 
 

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from benchmarks.profiling import cuda_mean_ms
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head_loss import chunk_terms, reference_terms
 
 

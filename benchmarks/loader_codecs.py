@@ -34,8 +34,8 @@ from benchmarks.codecs import synthetic_activations
 from dflash_cache.store.codecs import CODECS, compress, encode
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
 from dflash_cache.store.schema import Row
-from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.subspace import is_subspace
+from dflash_cache.store.writer import ShardWriter
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import empty_host_batch, fill_row, to_device
 

@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.gil_contention import PLANES, main_thread_rate
 from benchmarks.train import write_cache
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import empty_host_batch, fill_row
 

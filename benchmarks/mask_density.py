@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.drafter import add_step_shape_arguments, peer_batches
 from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.masks import BlockLayout, block_mask, dense_mask
 

@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from benchmarks.profiling import cuda_mean_ms
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.train.optim import CompiledAdamW, clipped_step
 

@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.drafter import random_drafter, train_step
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.compile_audit import CompileCounts, distinct_length_plans
-from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.runner import DrafterRunner
+from dflash_cache.stream.batch import FeatureBatch
 
 # Both layer types, GQA, a window that cuts context: every code path of the drafter, CPU-sized.
 TINY = DrafterConfig(

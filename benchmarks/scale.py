@@ -219,7 +219,8 @@ def write_half_journal(out: Path, spec: dict, samples: int, per_shard: int = 5) 
     """Journals of a run that committed the first half of the samples, `per_shard` to a shard record
     (512 MiB shards of ~35 KB a token hold ~5 samples of 3,000 tokens). The shard files themselves
     are not needed before the first forward of a resumed run."""
-    from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, shard_name
+    from dflash_cache.store.journal import JOURNAL_DIR
+    from dflash_cache.store.shard import SHARD_DIR, shard_name
 
     (out / JOURNAL_DIR).mkdir(parents=True, exist_ok=True)
     with open(out / JOURNAL_DIR / "r0.jsonl", "w") as f:

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.train import write_cache
 from dflash_cache.data.plan import plan_batches
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import Loader
 

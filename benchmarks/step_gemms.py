@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.drafter import add_step_shape_arguments, drafter_step
 from benchmarks.profiling import cuda_mean_ms, kernel_launches
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head_loss import head_cross_entropy
 
 MATMULS = ("aten::mm", "aten::addmm")

@@ -31,15 +31,15 @@ import numpy as np
 import torch
 
 from benchmarks.drafter import peer_batches, random_drafter, train_step
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.store.codecs import compress, encode
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
 from dflash_cache.store.schema import Row
-from dflash_cache.store.shard import ShardWriter
+from dflash_cache.store.writer import ShardWriter
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import Loader
 from dflash_cache.stream.memory import MemorySource

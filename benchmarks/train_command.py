@@ -41,7 +41,7 @@ from benchmarks.drafter import timed_steps, train_step
 from benchmarks.profiling import gpu_idle
 from benchmarks.train import write_cache
 from dflash_cache.drafter.anchors import sample_anchors
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.stream.caches import CacheSet

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.train import make_step, run_parser, timed, write_cache
 from dflash_cache.data.plan import plan_batches
-from dflash_cache.drafter.config import load_drafter_config
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import Loader
 

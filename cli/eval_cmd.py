@@ -6,7 +6,7 @@ import click
 from tqdm import tqdm
 
 from dflash_cache.choices import TARGET_DTYPES
-from dflash_cache.progress import duration
+from dflash_cache.console.progress import duration
 
 
 def progress(bar: tqdm, unit: str):

@@ -1,8 +1,8 @@
 import click
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.inspect import describe_cache, describe_sample
 from dflash_cache.store import open_cache
+from dflash_cache.store.inspect import describe_cache, describe_sample
 
 
 @click.command("inspect")

@@ -8,8 +8,8 @@ import sys
 
 import click
 
+from dflash_cache.console.terminate import Terminated
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.terminate import Terminated
 
 
 # Command modules import only click and light option values at the top; each command imports the

@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from dflash_cache.console.terminate import sigterm_raises
 from dflash_cache.regenerate.run import RecordDone, RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import REASONING, TURNS, GenerationSettings
-from dflash_cache.terminate import sigterm_raises
 from dflash_cache_cli.options import INT_LIST
 
 LOG_EVERY_S = 30.0  # a plain progress line this often when stderr is not a terminal

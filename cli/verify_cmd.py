@@ -1,8 +1,8 @@
 import click
 from tqdm import tqdm
 
+from dflash_cache.console.units import size
 from dflash_cache.store import open_cache
-from dflash_cache.units import size
 
 
 @click.command("verify")

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Imported on first use: every command imports this package, and most never need torch.
     if name == "FeatureBatch":
-        from dflash_cache.batch import FeatureBatch
+        from dflash_cache.stream.batch import FeatureBatch
 
         return FeatureBatch
     if name in ("Cache", "open_cache"):

@@ -18,3 +18,10 @@ DEMO_TRAIN_DATA = (
 # 400, not 600: a step on the regenerated answers (shorter, so more of them per batch) costs more than
 # one on the bundled answers, and the drafter is already far better after 400 (BENCHMARKS.md)
 DEMO_STEPS = 400
+# The help of --num-draft-layers (extract, train --live-target); target/target.py's resolve_layer_ids applies it.
+LAYER_RULE = (
+    "Capture N target layers: the middle one (num_layers // 2) for N=1; else N spread evenly over "
+    "layers 1..num_layers-3 (the reference DFlash rule), or over all layers 0..num_layers-1 when the "
+    "target has fewer than N+3 layers. Default when --layers is not given: 5, or every layer of a "
+    "target with fewer than 5."
+)

@@ -32,7 +32,7 @@ from dflash_cache.eval.speculative import (
     evaluate_speculative,
 )
 from dflash_cache.extract.pipeline import ExtractOptions, ExtractSummary, extract
-from dflash_cache.folders import check_holds_only
+from dflash_cache.files.folders import check_holds_only
 from dflash_cache.target.info import read_target_info
 from dflash_cache.train.checkpoint import latest_checkpoint
 from dflash_cache.train.config import TrainConfig
@@ -157,33 +157,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResu
     )
 
     started = time.perf_counter()
-    config_file = workdir / DRAFTER_FILE
-    config = drafter_config(target, layers, opts.drafter_layers, opts.block_size)
-    config_file.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    train(
-        TrainConfig(
-            caches=[str(cache)],
-            out=str(run),
-            drafter=str(config_file),
-            steps=opts.steps,
-            gpus=[0] if torch.cuda.is_available() else None,
-            token_budget=opts.token_budget,
-            lr=opts.lr,
-            max_anchors=opts.max_anchors,
-            eval_fraction=0.0,
-            save_every=opts.steps,
-            log_every=max(1, opts.steps // 10),
-            seed=opts.seed,
-            prefetch=2,
-            workers=2,
-        ),
-        echo=lambda line: echo(f"  {line}") if line.startswith("step ") else None,
-    )
+    checkpoint, train_tau = _train(opts, target, layers, workdir, echo)
     seconds["train"] = time.perf_counter() - started
-    checkpoint = latest_checkpoint(run)
-    records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
-    last = [r["tau"] for r in records if "tau" in r][-max(1, opts.steps // 10) :]
-    train_tau = sum(last) / len(last)
     echo(
         f"train: {opts.steps} steps of a {opts.drafter_layers}-layer drafter (block size {opts.block_size}) -> "
         f"{checkpoint} (training tau {train_tau:.2f}, {seconds['train']:.0f} s)"
@@ -202,3 +177,36 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> DemoResu
     )
     seconds["eval"] = time.perf_counter() - started
     return DemoResult(workdir, target, heldout, cache, run, checkpoint, extracted, train_tau, report, seconds)
+
+
+def _train(
+    opts: DemoOptions, target: Path, layers: list[int], workdir: Path, echo: Callable[[str], None]
+) -> tuple[Path, float]:
+    """Train the small drafter on the demo's cache; returns its checkpoint and its training tau over
+    the last tenth of the steps."""
+    run = workdir / RUN
+    config_file = workdir / DRAFTER_FILE
+    config = drafter_config(target, layers, opts.drafter_layers, opts.block_size)
+    config_file.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    train(
+        TrainConfig(
+            caches=[str(workdir / CACHE)],
+            out=str(run),
+            drafter=str(config_file),
+            steps=opts.steps,
+            gpus=[0] if torch.cuda.is_available() else None,
+            token_budget=opts.token_budget,
+            lr=opts.lr,
+            max_anchors=opts.max_anchors,
+            eval_fraction=0.0,
+            save_every=opts.steps,
+            log_every=max(1, opts.steps // 10),
+            seed=opts.seed,
+            prefetch=2,
+            workers=2,
+        ),
+        echo=lambda line: echo(f"  {line}") if line.startswith("step ") else None,
+    )
+    records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
+    last = [r["tau"] for r in records if "tau" in r][-max(1, opts.steps // 10) :]
+    return latest_checkpoint(run), sum(last) / len(last)

@@ -10,7 +10,7 @@ import torch
 from dflash_cache.store.codecs import compress, encode
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
 from dflash_cache.store.schema import Row
-from dflash_cache.store.shard import ShardWriter
+from dflash_cache.store.writer import ShardWriter
 
 
 def random_spec(

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from dflash_cache.drafter.config import PRESETS, DrafterConfig, adapt_to_cache, load_drafter_config
+from dflash_cache.drafter.config import PRESETS, DrafterConfig, adapt_to_cache
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.errors import DFlashCacheError
 from tests.test_drafter_helpers import tiny_config

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
+from dflash_cache.stream.batch import FeatureBatch
 
 HIDDEN = 32
 VOCAB = 61

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.tokenize import tokenize_conversation
-from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.extract.pipeline import ExtractEvents, ExtractOptions, extract
 from dflash_cache.store.verify import verify_cache
 from dflash_cache.target.runner import TargetRunner
 from tests.tiny import write_conversations
@@ -76,7 +76,7 @@ def test_spec_mismatch_and_bad_input(qwen3_target_dir, conversations, tmp_path):
 
 
 def test_second_run_on_same_out_is_refused(qwen3_target_dir, conversations, tmp_path):
-    from dflash_cache.lock import FolderLock
+    from dflash_cache.files.lock import FolderLock
 
     out = tmp_path / "cache"
     holder = FolderLock(out, "cache").acquire()
@@ -254,9 +254,15 @@ def test_the_cpu_takes_a_token_budget_it_can_run_and_reports_progress_row_by_row
     monkeypatch.setattr(
         TargetRunner, "run_batch", lambda self, fb, *a: rows.append(fb.input_ids.numel()) or real(self, fb, *a)
     )
+
+    class Reports(ExtractEvents):
+        def progress(self, progress) -> None:
+            if progress.samples:
+                reports.append(progress.samples)
+
     summary = extract(
         ExtractOptions(target=qwen3_target_dir, data=[data], out=tmp_path / "cache", layers=LAYERS),
-        on_progress=lambda p: p.samples and reports.append(p.samples),
+        Reports(),
     )
     assert summary.manifest["spec"]["token_budget"] == 4096
     assert max(rows) == 4096 and len(rows) > 2 and summary.tokens > 2 * 4096  # the warm-up row included

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_cache.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_drafter
-from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.export import export_checkpoint
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError

@@ -45,7 +45,7 @@ def test_a_torn_last_journal_line_is_cut_before_the_rerun_appends(setup, tmp_pat
 
 APPEND_UNDER_A_LIMIT = """
 import json, os, resource, signal, sys
-from dflash_cache.store.shard import append_journal
+from dflash_cache.store.journal import append_journal
 path, limit = sys.argv[1], int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

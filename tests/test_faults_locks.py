@@ -18,7 +18,7 @@ from tests.tiny import build_target, write_conversations
 def test_lock_is_shared_by_one_launch_only(tmp_path):
     """flock is per open file, so one process can play several: the ranks of launch A share the
     lock; launch B and a plain run are refused while any rank of A holds it."""
-    from dflash_cache.lock import FolderLock
+    from dflash_cache.files.lock import FolderLock
 
     a0 = FolderLock(tmp_path, "cache").acquire("world 2, master h:1, run x")
     a1 = FolderLock(tmp_path, "cache").acquire("world 2, master h:1, run x")
@@ -39,7 +39,7 @@ def test_lock_is_shared_by_one_launch_only(tmp_path):
 
 
 def test_a_discarded_lock_leaves_no_folder_but_keeps_one_it_found(tmp_path):
-    from dflash_cache.lock import FolderLock
+    from dflash_cache.files.lock import FolderLock
 
     lock = FolderLock(tmp_path / "new", "cache").acquire()
     lock.release(discard=True)

@@ -180,7 +180,7 @@ def test_extract_into_a_cache_with_a_link_out_writes_nothing_through_it(cache, t
 
 
 def test_a_link_that_stays_inside_the_folder_is_not_refused(tmp_path):
-    from dflash_cache.folders import check_no_links_out
+    from dflash_cache.files.folders import check_no_links_out
 
     (tmp_path / "out" / "a").mkdir(parents=True)
     (tmp_path / "out" / "b").symlink_to("a")

@@ -186,7 +186,7 @@ def test_a_train_into_a_run_folder_being_trained_names_the_run_not_resume(tmp_pa
 
     from click.testing import CliRunner
 
-    from dflash_cache.lock import FolderLock
+    from dflash_cache.files.lock import FolderLock
     from dflash_cache_cli.main import main
     from tests.test_train_helpers import drafter_json, make_cache
 

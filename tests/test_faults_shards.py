@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_cache.store.shard import ShardReader
+from dflash_cache.store.reader import ShardReader
 from dflash_cache_cli.main import main
 from tests.test_train_helpers import drafter_json, make_cache, tiny_config
 

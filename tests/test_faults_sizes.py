@@ -55,7 +55,7 @@ def write_wide_cache(root, hidden_size: int, num_tokens: int = 30, layers: int =
     from dflash_cache.store.codecs import compress
     from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
     from dflash_cache.store.schema import Row
-    from dflash_cache.store.shard import ShardWriter
+    from dflash_cache.store.writer import ShardWriter
 
     spec = random_spec(codec="fp8-zstd", layer_ids=tuple(range(1, layers + 1)), hidden_size=hidden_size)
     writer = ShardWriter(root, rank=0, spec=spec)
@@ -159,7 +159,7 @@ def test_a_target_head_of_another_shape_than_the_spec_is_named_before_the_run(tm
     it): `train` made its run folder and stopped at the first step with `RuntimeError: The size of
     tensor a (32) must match the size of tensor b (16)`; `eval --cache` the same."""
     from dflash_cache.drafter.checkpoint import save_drafter
-    from dflash_cache.drafter.config import load_drafter_config
+    from dflash_cache.drafter.config_file import load_drafter_config
     from dflash_cache.drafter.model import DFlashDrafter
     from tests.test_train_helpers import drafter_json, make_cache, write_head
 
@@ -264,7 +264,7 @@ def test_json_nested_100000_deep_is_named_as_the_file_it_is(tmp_path):
     """A manifest, a journal line, a checkpoint's drafter config and training state, a run's run.json: `json` raised a bare
     `RecursionError: maximum recursion depth exceeded while decoding a JSON array` naming no file."""
     from dflash_cache.drafter.checkpoint import CONFIG_FILE, save_drafter
-    from dflash_cache.drafter.config import load_drafter_config
+    from dflash_cache.drafter.config_file import load_drafter_config
     from dflash_cache.drafter.model import DFlashDrafter
     from dflash_cache.store.manifest import read_journals
     from tests.test_train_helpers import drafter_json, make_cache

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.extract.pipeline import ExtractEvents, ExtractOptions, extract
 from tests.test_extract import LAYERS, assert_same_cache, extract_args, run_extract
 from tests.test_tokenized import rewrite_ids
 from tests.tiny import build_target, write_conversations
@@ -113,6 +113,11 @@ def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwe
     rewrite_ids(entry, lambda sid, ids: ids[::-1].copy())
     entry.with_suffix(".index.npy").unlink()
     notes = []
+
+    class Notes(ExtractEvents):
+        def note(self, line: str) -> None:
+            notes.append(line)
+
     extract(
         ExtractOptions(
             target=qwen3_target_dir,
@@ -123,7 +128,7 @@ def test_token_ids_changed_in_the_kept_file_are_found_by_the_next_extraction(qwe
             tokenized_dir=tokenized,
             tokenize_workers=0,
         ),
-        on_note=notes.append,
+        Notes(),
     )
     assert_same_cache(tmp_path / "first", tmp_path / "second")
     assert notes == [f"{entry} is not the file that was written (its checksum differs); tokenizing the data again"]

@@ -1,10 +1,10 @@
-"""Journals are read line by line (store/shard.py read_journal) with the rules of the whole-text
+"""Journals are read line by line (store/journal.py read_journal) with the rules of the whole-text
 parse: blank lines skipped, a torn last line ignored, a torn middle line an error naming it."""
 
 import pytest
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.shard import cut_torn_line, parse_journal, read_journal
+from dflash_cache.store.journal import cut_torn_line, parse_journal, read_journal
 
 CASES = [
     ('{"a": 1}\n{"b": 2}\n', [{"a": 1}, {"b": 2}]),

@@ -1,14 +1,14 @@
 """What a starting extraction rank reads of the journals (store/manifest.py scan_journals): a bit a
 data row for "done" and only the paths it may delete, equal to what the journals' whole records
-(read_journals) say, on journals written by hand; and the bit set it keeps them in (rowbits.py)."""
+(read_journals) say, on journals written by hand; and the bit set it keeps them in (data/rowbits.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
+from dflash_cache.data.rowbits import RowBits
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.rowbits import RowBits
 from dflash_cache.store.manifest import read_journals, scan_journals
 
 SPEC = {"codec": "bf16", "layer_ids": [1]}

@@ -155,3 +155,25 @@ def test_places_in_files_over_4_gb(data_file, tokenizer, tmp_path):
     assert np.array_equal(far[3] - near[3], np.full(batch.num_rows, 8 << 40))
     has_id = near[4] >= 0
     assert np.array_equal((far[4] - near[4])[has_id], np.full(has_id.sum(), 1 << 40)) and np.all(far[4][~has_id] == -1)
+
+
+def test_a_plan_that_cannot_be_written_is_one_line_naming_the_folder_and_its_free_space(
+    data_file, tokenizer, tmp_path, monkeypatch
+):
+    import errno
+
+    from dflash_cache.data import plan_file
+    from dflash_cache.errors import DFlashCacheError
+
+    data = load(data_file, tokenizer, tmp_path / "tok")
+
+    def full(path, batches):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plan_file, "_write", full)
+    with pytest.raises(DFlashCacheError) as refused:
+        kept_plan(data, PackedLayout(600))
+    message = str(refused.value)
+    assert message.startswith(f"writing the plan failed: No space left on device; free space in {tmp_path / 'tok'} (")
+    assert message.endswith("and rerun, or keep the tokenized data elsewhere with --tokenized-dir DIR")
+    assert "\n" not in message

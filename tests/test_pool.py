@@ -100,7 +100,7 @@ def test_running_out_of_descriptors_names_the_limit(tmp_path):
         import resource
         from pathlib import Path
         from dflash_cache import DFlashCacheError
-        from dflash_cache.store.shard import ShardReader
+        from dflash_cache.store.reader import ShardReader
         resource.setrlimit(resource.RLIMIT_NOFILE, (30, 30))
         readers = []
         try:

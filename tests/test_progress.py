@@ -1,7 +1,7 @@
 import re
 import time
 
-from dflash_cache.progress import ProgressLog, duration
+from dflash_cache.console.progress import ProgressLog, duration
 
 
 def test_lines_come_on_a_timer_even_without_updates_and_once_at_close():

@@ -17,8 +17,8 @@ from dflash_cache import open_cache
 from dflash_cache.data.readers import read_records
 from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.inspect import describe_cache
 from dflash_cache.store.cache import UnknownSample
+from dflash_cache.store.inspect import describe_cache
 from dflash_cache.store.manifest import manifest_checksum
 from dflash_cache_cli.main import main
 from tests.cachegen import random_row, random_spec, write_random_cache

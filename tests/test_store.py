@@ -8,8 +8,10 @@ import torch
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.store.codecs import CODECS, SUBSPACE_CODECS, compress, decode, decompress, encode, encoded_size
 from dflash_cache.store.manifest import build_manifest, manifest_checksum, read_journals, write_manifest
-from dflash_cache.store.shard import ShardReader, ShardWriter
+from dflash_cache.store.reader import ShardReader
+from dflash_cache.store.shard import file_sha256
 from dflash_cache.store.verify import verify_cache
+from dflash_cache.store.writer import ShardWriter
 from tests.cachegen import random_row, random_spec, write_random_cache
 
 
@@ -97,9 +99,9 @@ def test_uncommitted_shard_is_never_listed(tmp_path):
 def test_shard_hash_followed_while_writing_equals_the_files(tmp_path, monkeypatch):
     """The sha256 a shard is journaled with is hashed while the shard is written (and synced every
     SYNC_EVERY bytes); it must equal the hash of the finished file, for shards closed full and last."""
-    from dflash_cache.store import shard as shard_module
+    from dflash_cache.store import writer as writer_module
 
-    monkeypatch.setattr(shard_module._Sealer, "SYNC_EVERY", 4096)
+    monkeypatch.setattr(writer_module._Sealer, "SYNC_EVERY", 4096)
     spec = random_spec()
     writer = ShardWriter(tmp_path, rank=0, spec=spec, max_shard_bytes=40_000)
     for i in range(12):
@@ -108,7 +110,7 @@ def test_shard_hash_followed_while_writing_equals_the_files(tmp_path, monkeypatc
     shards = read_journals(tmp_path).shards
     assert len(shards) > 2
     for record in shards:
-        assert record.sha256 == shard_module.file_sha256(tmp_path / record.path)
+        assert record.sha256 == file_sha256(tmp_path / record.path)
     assert sorted(i for record in shards for i in record.sample_ids) == list(range(12))
 
 

@@ -8,7 +8,7 @@ import torch
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.data.plan import plan_batches
 from dflash_cache.store.manifest import build_manifest, read_journals, write_manifest
-from dflash_cache.store.shard import ShardWriter
+from dflash_cache.store.writer import ShardWriter
 from dflash_cache.stream.caches import CacheSet, is_held_out
 from dflash_cache.stream.epochs import EpochPlan
 from dflash_cache.stream.loader import Loader, ReaderError, empty_host_batch

@@ -17,7 +17,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.store.codecs import compress, decode, decompress, encode, encoded_size
-from dflash_cache.store.subspace import BASIS_FILE, SubspaceOptions, fit_basis, gram, load_basis, token_shares
+from dflash_cache.store.subspace import BASIS_FILE, fit_basis, gram, load_basis, token_shares
 from dflash_cache.store.verify import verify_cache
 from tests.test_drafter_helpers import random_batch
 from tests.test_export import BLOCK, reference_model_class
@@ -140,7 +140,8 @@ def test_extract_stores_coordinates_on_the_sample_basis(qwen3_target_dir, conver
         conversations,
         tmp_path / "sub",
         codec=codec,
-        subspace=SubspaceOptions(tmp_path / "full", rank=RANK),
+        subspace_sample=tmp_path / "full",
+        subspace_rank=RANK,
     )
     full, sub = open_cache(tmp_path / "full"), open_cache(tmp_path / "sub")
     assert sub.spec["subspace"]["rank"] == RANK and sub.width == RANK

@@ -27,9 +27,10 @@ import numpy as np
 
 from dflash_cache.data import plan as plan_module
 from dflash_cache.data.plan import Batches
-from dflash_cache.data.tokenized import TokenizedData
+from dflash_cache.data.rowbits import CHUNK, RowBits
+from dflash_cache.data.tokenized import RERUN, TokenizedData
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.rowbits import CHUNK, RowBits
+from dflash_cache.files.write_errors import write_failed
 
 FORMAT = 1
 
@@ -52,10 +53,7 @@ def kept_plan(data: TokenizedData, layout: Planner) -> Batches:
                     _write(path, layout.plan(data.sample_ids, data.lengths))
                     plan = _load(path, data)
         except OSError as e:
-            raise DFlashCacheError(
-                f"writing the plan to {path.parent} failed ({e.strerror or e}); free space there "
-                "or pass --tokenized-dir DIR"
-            ) from None
+            raise write_failed("the plan", path.parent, e, RERUN) from None
     if plan is None:
         raise DFlashCacheError(f"{path} was written but does not read back; delete it and rerun")
     return plan

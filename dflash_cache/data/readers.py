@@ -278,7 +278,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     try:
         file = pq.ParquetFile(path)
         schema = file.schema_arrow
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         raise DFlashCacheError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
     columns = _check_schema(schema, path)
     yield from _read_batches(

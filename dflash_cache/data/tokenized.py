@@ -37,11 +37,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash_cache import faults
 from dflash_cache.data import dataset, messages, readers, tokenize
 from dflash_cache.data.dataset import EncodeOptions, LoadedData, Sample, checked_inputs, hash_files, stream_samples
+from dflash_cache.data.rowbits import CHUNK
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.rowbits import CHUNK
+from dflash_cache.files import faults
+from dflash_cache.files.write_errors import write_failed
 
 FORMAT = 3  # 2: the id column, 3: its checksum; a file of another format is never reused (its key differs)
 SCHEMA = pa.schema(
@@ -54,6 +55,7 @@ SCHEMA = pa.schema(
 )  # read back as --data, it keeps the ids
 FILE_HASHES = "file-hashes.json"
 INDEX_SUFFIX = ".index.npy"
+RERUN = "rerun, or keep the tokenized data elsewhere with --tokenized-dir DIR"  # after a failed write
 # A file being written (NAME.tmpPID), named by the lock it is written under: KEY.lock for the data's
 # files, KEY.plan-PLAN.lock for a plan (plan_file.py).
 TEMPORARY = re.compile(r"(?P<lock>[0-9a-f]{32}(?:\.plan-[0-9a-f]{32})?)\.(?:arrow|json|index\.npy|npy)\.tmp[0-9]+")
@@ -326,9 +328,7 @@ def _index(path: Path, arrow: Path, rows: int) -> np.ndarray | None:
         except (ValueError, pa.ArrowException):
             return None  # the Arrow file does not read as its metadata says: built again
         except OSError as e:
-            raise DFlashCacheError(
-                f"writing {path} failed ({e.strerror or e}); free space there or pass --tokenized-dir DIR"
-            ) from None
+            raise write_failed(path, path.parent, e, RERUN) from None
         finally:
             tmp.unlink(missing_ok=True)
         index = _load_index(path, rows, arrow.stat().st_size)
@@ -434,10 +434,7 @@ def _build(
         info_tmp.write_text(json.dumps(info, sort_keys=True) + "\n")
         os.replace(info_tmp, folder / f"{key}.json")
     except OSError as e:
-        raise DFlashCacheError(
-            f"writing the tokenized data to {folder} failed ({e.strerror or e}); free space "
-            "there or pass --tokenized-dir DIR"
-        ) from None
+        raise write_failed("the tokenized data", folder, e, RERUN) from None
     finally:
         tmp.unlink(missing_ok=True)
         pa.default_memory_pool().release_unused()  # the pool keeps its peak resident otherwise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
+from dflash_cache.stream.batch import FeatureBatch
 
 
 def anchor_candidates(batch: FeatureBatch, block_size: int) -> torch.Tensor:

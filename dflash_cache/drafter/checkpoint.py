@@ -9,11 +9,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dflash_cache.drafter.config import DrafterConfig, config_from_file
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config_file import config_from_file
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
-from dflash_cache.safetensors_file import save_tensors
+from dflash_cache.files.safetensors_file import save_tensors
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"

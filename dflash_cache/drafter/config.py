@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
 
@@ -178,38 +176,6 @@ PRESETS: dict[str, DrafterConfig] = {
         preset="qwen3.6-27b",
     ),
 }
-
-
-def load_drafter_config(name_or_path: str | Path) -> DrafterConfig:
-    """A preset by name, or a JSON file: our own fields, or a reference `config.json` (with `dflash_config`)."""
-    if str(name_or_path) in PRESETS:
-        return replace(PRESETS[str(name_or_path)])
-    path = Path(name_or_path)
-    if path.suffix == ".json" and not path.exists():
-        raise DFlashCacheError(
-            f"drafter config {path} does not exist; give a JSON file or a preset ({', '.join(PRESETS)})."
-        )
-    if not path.is_file():
-        raise DFlashCacheError(
-            f"drafter config {str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file."
-        )
-    try:
-        values = json.loads(path.read_text())
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise DFlashCacheError(f"drafter config {path} is not valid JSON: {e}.") from None
-    return config_from_file(values, path)
-
-
-def config_from_file(values: object, path: Path) -> DrafterConfig:
-    """The config a JSON file holds (our fields or a reference `config.json`), checked; errors name `path`."""
-    try:
-        if isinstance(values, dict) and "dflash_config" in values:
-            from dflash_cache.drafter.reference import config_from_reference
-
-            return config_from_reference(values)
-        return DrafterConfig.from_dict(values)
-    except DFlashCacheError as e:
-        raise DFlashCacheError(f"{path}: {e}") from None
 
 
 def adapt_to_cache(

@@ -11,8 +11,8 @@ from dflash_cache.choices import EXPORT_DTYPES
 from dflash_cache.drafter.checkpoint import load_drafter_state
 from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.folders import check_holds_only
-from dflash_cache.safetensors_file import save_tensors
+from dflash_cache.files.folders import check_holds_only
+from dflash_cache.files.safetensors_file import save_tensors
 from dflash_cache.store.subspace import fold
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}

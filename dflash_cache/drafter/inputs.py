@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.batch import FeatureBatch
 
 
 @dataclass

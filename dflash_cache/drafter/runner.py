@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.loss import DrafterLoss
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.batch import FeatureBatch
 
 
 class DrafterRunner:

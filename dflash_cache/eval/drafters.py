@@ -20,7 +20,8 @@ from dflash_cache.drafter.checkpoint import (
     load_drafter_state,
     read_weights,
 )
-from dflash_cache.drafter.config import DrafterConfig, load_drafter_config
+from dflash_cache.drafter.config import DrafterConfig
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError

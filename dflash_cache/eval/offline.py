@@ -17,6 +17,7 @@ import torch
 
 from dflash_cache.choices import DPACE_ALPHA, LOSSES
 from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
@@ -94,82 +95,86 @@ def evaluate_offline(
     opts = opts.resolved(run_options(run) if run else {}, device.type)
     caches = CacheSet(opts.caches)
     try:
-        spec = caches.spec
-        check_fits(
-            config,
-            spec["target"]["hidden_size"],
-            spec["target"]["vocab_size"],
-            spec["target"]["num_layers"],
-            spec["layer_ids"],
-        )
-        TargetHead.check_shapes(
-            caches.head_dir / "head.safetensors", spec["target"]["vocab_size"], spec["target"]["hidden_size"]
-        )
-        head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
-        # On the CPU the dense-mask attention: flex-attention runs unfused there and holds every score.
-        attention = "dense" if device.type == "cpu" else "flex"
-        runner = DrafterRunner(build_drafter(config, state, head, device, attention=attention))
-        train_keys, held_keys = caches.split(opts.eval_fraction)
-        keys = train_keys if opts.eval_fraction == 0 else held_keys
-        if not keys:
-            raise DFlashCacheError(
-                f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it."
-            )
-        if opts.eval_fraction == 0:
-            split = "every sample of the cache" + ("" if run else " (the drafter comes from no training run)")
-        else:
-            whose = f"the held-out split of {run}" if run else "the held-out split"
-            split = f"{whose} (--eval-fraction {opts.eval_fraction}, by a hash of the sample id)"
-        if run and [c.spec for c in caches.caches] != run_caches(run):
-            split += "; this is not the cache the run trained on"
-        plan = held_out_batches(keys, caches.lengths, opts.token_budget, opts.seed, rank=0, world=1)
-        slots = config.block_size - 1
-        tau_sum, blocks, loss = 0.0, 0, 0.0
-        correct, total = torch.zeros(slots, dtype=torch.float64), torch.zeros(slots, dtype=torch.float64)
-        if opts.loss == "topk" and not spec.get("topk"):
+        runner = _runner(config, state, caches, device)
+        keys, split = _keys(opts, caches, run)
+        if opts.loss == "topk" and not caches.spec.get("topk"):
             raise DFlashCacheError(
                 "the drafter was trained with --loss topk, whose loss needs the target's top-K labels, "
                 "which this cache lacks: evaluate on a cache extracted with --topk K"
             )
+        plan = held_out_batches(keys, caches.lengths, opts.token_budget, opts.seed, rank=0, world=1)
+        sums = _Sums(config.block_size - 1)
         with Loader(caches, [batch for _, batch in plan], device, topk=opts.loss == "topk") as loader:
             for done, ((index, _), batch) in enumerate(zip(plan, loader), 1):
                 generator = torch.Generator(device).manual_seed(batch_seed(opts.seed, EVAL, 0, index))
                 anchors = sample_anchors(batch, config.block_size, opts.max_anchors, generator)
-                try:
-                    with torch.autocast(device.type, dtype=torch.bfloat16):
-                        out = runner(
-                            batch,
-                            anchors,
-                            gamma=opts.gamma,
-                            labels=opts.labels,
-                            loss=opts.loss,
-                            dpace_alpha=opts.dpace_alpha,
-                        )
-                except (torch.OutOfMemoryError, RuntimeError) as e:
-                    if not is_out_of_memory(e):
-                        raise
-                    raise DFlashCacheError(
-                        out_of_memory(
-                            device,
-                            f"on a batch of {batch.num_tokens:,} tokens in {batch.num_sequences} sequences",
-                            opts.token_budget,
-                            opts.max_anchors,
-                        )
-                    ) from None
-                tau_sum += float(out.tau * out.num_blocks)
-                blocks += int(out.num_blocks)
-                loss += float(out.loss)
-                correct += out.correct.double().cpu()
-                total += out.total.double().cpu()
+                sums.add(_forward(runner, batch, anchors, opts, device))
                 on_batch(done, len(plan))
     finally:
         caches.close()
     return OfflineReport(
         drafter=source,
         samples=len(keys),
-        blocks=blocks,
-        tau=tau_sum / max(blocks, 1),
-        accuracy=(correct / total.clamp_min(1)).tolist(),
-        loss=loss / max(len(plan), 1),
+        blocks=sums.blocks,
+        tau=sums.tau_sum / max(sums.blocks, 1),
+        accuracy=(sums.correct / sums.total.clamp_min(1)).tolist(),
+        loss=sums.loss / max(len(plan), 1),
         split=split,
     )
+
+
+def _runner(config: DrafterConfig, state: dict, caches: CacheSet, device: torch.device) -> DrafterRunner:
+    """The drafter on `device`, checked against the cache's target, with the cache's target head."""
+    spec = caches.spec
+    target = spec["target"]
+    check_fits(config, target["hidden_size"], target["vocab_size"], target["num_layers"], spec["layer_ids"])
+    TargetHead.check_shapes(caches.head_dir / "head.safetensors", target["vocab_size"], target["hidden_size"])
+    head = TargetHead.load(caches.head_dir / "head.safetensors", device=device)
+    # On the CPU the dense-mask attention: flex-attention runs unfused there and holds every score.
+    attention = "dense" if device.type == "cpu" else "flex"
+    return DrafterRunner(build_drafter(config, state, head, device, attention=attention))
+
+
+def _keys(opts: OfflineOptions, caches: CacheSet, run: Path | None) -> tuple[list[int], str]:
+    """The samples evaluated (held out, or all with --eval-fraction 0) and the words that say which."""
+    train_keys, held_keys = caches.split(opts.eval_fraction)
+    keys = train_keys if opts.eval_fraction == 0 else held_keys
+    if not keys:
+        raise DFlashCacheError(f"--eval-fraction {opts.eval_fraction} holds out no sample of {len(caches)}; raise it.")
+    if opts.eval_fraction == 0:
+        split = "every sample of the cache" + ("" if run else " (the drafter comes from no training run)")
+    else:
+        whose = f"the held-out split of {run}" if run else "the held-out split"
+        split = f"{whose} (--eval-fraction {opts.eval_fraction}, by a hash of the sample id)"
+    if run and [c.spec for c in caches.caches] != run_caches(run):
+        split += "; this is not the cache the run trained on"
+    return keys, split
+
+
+def _forward(runner: DrafterRunner, batch, anchors: torch.Tensor, opts: OfflineOptions, device: torch.device):
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return runner(
+                batch, anchors, gamma=opts.gamma, labels=opts.labels, loss=opts.loss, dpace_alpha=opts.dpace_alpha
+            )
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        where = f"on a batch of {batch.num_tokens:,} tokens in {batch.num_sequences} sequences"
+        raise DFlashCacheError(out_of_memory(device, where, opts.token_budget, opts.max_anchors)) from None
+
+
+class _Sums:
+    """The batches' sums: tau x blocks, blocks, loss, and the hits and counts of each block slot."""
+
+    def __init__(self, slots: int):
+        self.tau_sum, self.blocks, self.loss = 0.0, 0, 0.0
+        self.correct = torch.zeros(slots, dtype=torch.float64)
+        self.total = torch.zeros(slots, dtype=torch.float64)
+
+    def add(self, out) -> None:
+        self.tau_sum += float(out.tau * out.num_blocks)
+        self.blocks += int(out.num_blocks)
+        self.loss += float(out.loss)
+        self.correct += out.correct.double().cpu()
+        self.total += out.total.double().cpu()

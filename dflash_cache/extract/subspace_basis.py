@@ -5,10 +5,9 @@ rerun takes it back (so a resumed run encodes with the same basis)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.remote import RemoteDir
+from dflash_cache.store.resume import WritableCache
 from dflash_cache.store.shard import file_sha256
 from dflash_cache.store.subspace import (
     BASIS_FILE,
@@ -39,16 +38,15 @@ def _sample_cache(opts: SubspaceOptions, spec: dict):
 def prepare_basis(
     opts: SubspaceOptions | None,
     spec: dict,
-    root: Path,
-    remote: RemoteDir | None,
+    cache: WritableCache,
     device: str,
     distributed: bool,
     on_note: Callable[[str], None],
 ) -> dict:
-    """The spec's `subspace` entry ({"rank", "sha256"}), the basis written to root/target/ first if
-    it is not there yet (taken from the remote cache when there is one)."""
+    """The spec's `subspace` entry ({"rank", "sha256"}), the basis written to the cache's target/
+    first if it is not there yet (taken from the remote cache when there is one)."""
     width = len(spec["layer_ids"]) * spec["target"]["hidden_size"]
-    path = basis_path(root)
+    path, remote = basis_path(cache.root), cache.remote
     remote_name = f"target/{BASIS_FILE}"
     if not path.is_file() and remote is not None and remote.exists(remote_name):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,23 +23,23 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache import faults
 from dflash_cache.data.dataset import Sample
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
+from dflash_cache.files import faults
+from dflash_cache.files.write_errors import write_failed
 from dflash_cache.store.codecs import compress, encode, encoded_size, stored_width
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
-from dflash_cache.store.shard import ShardWriter
 from dflash_cache.store.staging import Uploader
 from dflash_cache.store.subspace import spec_basis
+from dflash_cache.store.writer import ShardWriter
 from dflash_cache.target.batch import Layout, to_device
 from dflash_cache.target.head import save_target_files
 from dflash_cache.target.runner import TargetRunner
 from dflash_cache.target.target import Target, load_target
 from dflash_cache.target.warmup import use_kernel_cache, warm_up
-from dflash_cache.write_errors import write_failed
 
 GIL_SWITCH_S = 0.0002
 
@@ -289,54 +289,19 @@ def run_rank(
     target = target or load_target(job.target_path, job.device, attention=job.layout.attention)
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
-    shards = ShardWriter(
-        job.root,
-        job.rank,
-        job.spec,
-        job.first_shard_index,
-        job.max_shard_bytes,
-        on_journal=job.uploader or (lambda shard_path: None),
-    )
-    if job.write_target_files:
-        save_target_files(target, job.root / "target")
-        if job.uploader is not None:
-            job.uploader.upload_target()
-        shards.record_target_files(hash_target_files(job.root / "target"))
+    shards = _shard_writer(job, target)
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
     encoder = _PartEncoder(job, ring, torch.cuda.Stream(job.device) if on_gpu else None)
     compile_s = warm_up(runner, job.layout, job.device, kernels)
     writer = _Writer(shards, report, job.rank, job.queue_depth)
     writer.start()
     started = time.perf_counter()
-    wait_s = 0.0
     # The thread that launches the GPU's kernels must get the GIL back at once from the compression
     # threads, not after Python's default 5 ms switch interval.
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_S)
-
-    def check_writer() -> None:
-        if writer.error is not None:
-            raise writer.error
-
     try:
-        for batch in job.batches:
-            pending = list(batch)
-            while pending and not all(sid in job.done for sid in pending):
-                faults.point("extract.forward")
-                try:
-                    for part in run_with_split(runner, job.layout, [job.samples[sid] for sid in pending], job.device):
-                        futures, waited = encoder.encode(part, check_writer)
-                        if futures:
-                            waited += writer.put(futures)
-                        wait_s += waited
-                        report(Progress(job.rank, wait_s=waited))
-                    pending = []
-                except SampleOutOfMemory as e:
-                    if job.on_bad_sample == "error":
-                        raise
-                    # Parts come in sample order: the ones before this sample are written.
-                    writer.put([_done(_Skip(e.sample_id, str(e)))])
-                    pending = pending[pending.index(e.sample_id) + 1 :]
+        wait_s = _run_batches(job, runner, encoder, writer, report)
         writer.finish()
     except BaseException:
         writer.error = writer.error or RuntimeError("extraction stopped")
@@ -433,3 +398,53 @@ class _PartEncoder:
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
         return hosts, ready
+
+
+def _shard_writer(job: RankJob, target: Target) -> ShardWriter:
+    """This rank's shard writer; rank 0 first writes the target's files and journals their hashes."""
+    shards = ShardWriter(
+        job.root,
+        job.rank,
+        job.spec,
+        job.first_shard_index,
+        job.max_shard_bytes,
+        on_journal=job.uploader or (lambda shard_path: None),
+    )
+    if job.write_target_files:
+        save_target_files(target, job.root / "target")
+        if job.uploader is not None:
+            job.uploader.upload_target()
+        shards.record_target_files(hash_target_files(job.root / "target"))
+    return shards
+
+
+def _run_batches(
+    job: RankJob, runner: TargetRunner, encoder: _PartEncoder, writer: _Writer, report: Callable[[Progress], None]
+) -> float:
+    """Every batch of the job not yet done, through the target and on to the writer; returns the
+    seconds spent waiting on the writer."""
+    wait_s = 0.0
+
+    def check_writer() -> None:
+        if writer.error is not None:
+            raise writer.error
+
+    for batch in job.batches:
+        pending = list(batch)
+        while pending and not all(sid in job.done for sid in pending):
+            faults.point("extract.forward")
+            try:
+                for part in run_with_split(runner, job.layout, [job.samples[sid] for sid in pending], job.device):
+                    futures, waited = encoder.encode(part, check_writer)
+                    if futures:
+                        waited += writer.put(futures)
+                    wait_s += waited
+                    report(Progress(job.rank, wait_s=waited))
+                pending = []
+            except SampleOutOfMemory as e:
+                if job.on_bad_sample == "error":
+                    raise
+                # Parts come in sample order: the ones before this sample are written.
+                writer.put([_done(_Skip(e.sample_id, str(e)))])
+                pending = pending[pending.index(e.sample_id) + 1 :]
+    return wait_s

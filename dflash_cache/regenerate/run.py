@@ -108,76 +108,84 @@ def regenerate(
     """Regenerate what the output lacks; `on_start(records to do, records already done)`."""
     started = time.perf_counter()
     _check(opts)
-    settings = opts.settings
     sources = [
         job.source for job in read_jobs(opts.data, opts.limit)
     ]  # reads (and checks) every record before any request
     summary = RegenerateSummary()
-    stopping = threading.Event()
-    with ResponsesFile(opts.out, settings) as out:
+    with ResponsesFile(opts.out, opts.settings) as out:
         summary.cut_bytes = out.cut_bytes
         summary.already_done = sum(source in out.done for source in sources)
         todo = len(sources) - summary.already_done
         on_start(todo, summary.already_done)
-        if todo == 0:
-            summary.wall_s = time.perf_counter() - started
-            return summary
-        backend = _backend(opts, stopping)
-        jobs: queue.Queue = queue.Queue(maxsize=2 * opts.concurrency)
-        results: queue.Queue = queue.Queue()
-        workers = min(opts.concurrency, todo)
-
-        def feed() -> None:
-            pending = (job for job in read_jobs(opts.data, opts.limit) if job.source not in out.done)
+        if todo:
+            stopping = threading.Event()
+            backend = _backend(opts, stopping)
             try:
-                for item in itertools.chain(pending, [None] * workers):  # then one end mark per worker
-                    while not _put(jobs, item):
-                        if stopping.is_set():
-                            return
-            except BaseException as e:  # noqa: BLE001 - a data file that changed under us: re-raised by the main thread
-                results.put(("crashed", None, e))
+                _Lanes(opts, out, backend, stopping, min(opts.concurrency, todo)).run(summary, on_record)
+            finally:
+                stopping.set()
+                backend.close()
+    summary.wall_s = time.perf_counter() - started
+    return summary
 
-        def work(lane: int) -> None:
-            def complete(messages: list[dict]) -> Completion:
-                return backend.complete(messages, settings, lane)
 
-            while (job := jobs.get()) is not None and not stopping.is_set():
-                try:
-                    results.put(("done", job, regenerate_conversation(job.messages, settings.turns, complete)))
-                except RequestFailed as e:
-                    if opts.on_error != "skip":  # the run stops on it: no lane may send another request
-                        stopping.set()
-                    results.put(("failed", job, str(e)))
-                except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
-                    results.put(("crashed", job, e))
-            results.put(("exit", None, None))
+class _Lanes:
+    """`workers` threads each regenerating one conversation at a time, fed by one thread reading the
+    data; this thread writes their results in the order they finish."""
 
-        threads = [threading.Thread(target=feed, name="regenerate-feed", daemon=True)]
+    def __init__(self, opts: RegenerateOptions, out: ResponsesFile, backend, stopping: threading.Event, workers: int):
+        self.opts, self.out, self.backend, self.stopping, self.workers = opts, out, backend, stopping, workers
+        self.jobs: queue.Queue = queue.Queue(maxsize=2 * opts.concurrency)
+        self.results: queue.Queue = queue.Queue()
+
+    def run(self, summary: RegenerateSummary, on_record: Callable[[RecordDone], None]) -> None:
+        threads = [threading.Thread(target=self._feed, name="regenerate-feed", daemon=True)]
         threads += [
-            threading.Thread(target=work, args=(lane,), name=f"regenerate-{lane}", daemon=True)
-            for lane in range(workers)
+            threading.Thread(target=self._work, args=(lane,), name=f"regenerate-{lane}", daemon=True)
+            for lane in range(self.workers)
         ]
         for thread in threads:
             thread.start()
+        exited = 0
+        while exited < self.workers:
+            kind, job, payload = self.results.get()
+            if kind == "exit":
+                exited += 1
+            elif kind == "done":
+                _write(self.out, job, self.opts.settings, *payload, summary, on_record)
+            elif kind == "failed" and self.opts.on_error == "skip":
+                summary.skipped.append((job.source, payload))
+            elif kind == "failed":
+                raise DFlashCacheError(f"{job.source}: {payload}; {_resume_hint(summary)}")
+            else:
+                raise payload
+
+    def _feed(self) -> None:
+        pending = (job for job in read_jobs(self.opts.data, self.opts.limit) if job.source not in self.out.done)
         try:
-            exited = 0
-            while exited < workers:
-                kind, job, payload = results.get()
-                if kind == "exit":
-                    exited += 1
-                elif kind == "done":
-                    _write(out, job, settings, *payload, summary, on_record)
-                elif kind == "failed" and opts.on_error == "skip":
-                    summary.skipped.append((job.source, payload))
-                elif kind == "failed":
-                    raise DFlashCacheError(f"{job.source}: {payload}; {_resume_hint(summary)}")
-                else:
-                    raise payload
-        finally:
-            stopping.set()
-            backend.close()
-    summary.wall_s = time.perf_counter() - started
-    return summary
+            for item in itertools.chain(pending, [None] * self.workers):  # then one end mark per worker
+                while not _put(self.jobs, item):
+                    if self.stopping.is_set():
+                        return
+        except BaseException as e:  # noqa: BLE001 - a data file that changed under us: re-raised by the main thread
+            self.results.put(("crashed", None, e))
+
+    def _work(self, lane: int) -> None:
+        settings = self.opts.settings
+
+        def complete(messages: list[dict]) -> Completion:
+            return self.backend.complete(messages, settings, lane)
+
+        while (job := self.jobs.get()) is not None and not self.stopping.is_set():
+            try:
+                self.results.put(("done", job, regenerate_conversation(job.messages, settings.turns, complete)))
+            except RequestFailed as e:
+                if self.opts.on_error != "skip":  # the run stops on it: no lane may send another request
+                    self.stopping.set()
+                self.results.put(("failed", job, str(e)))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
+                self.results.put(("crashed", job, e))
+        self.results.put(("exit", None, None))
 
 
 def _write(

@@ -38,8 +38,9 @@ from dflash_cache.store.fetch import ShardFetcher
 from dflash_cache.store.manifest import read_manifest, read_remote_manifest
 from dflash_cache.store.paths import check_file_name, inside
 from dflash_cache.store.pool import ShardPool
+from dflash_cache.store.reader import ShardReader, StoredRow
 from dflash_cache.store.remote import RangeFile, RemoteDir, is_remote, local_path
-from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, StoredRow
+from dflash_cache.store.shard import SHARD_DIR, ShardRecord
 
 if TYPE_CHECKING:
     import torch

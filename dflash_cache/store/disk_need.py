@@ -7,10 +7,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_cache.console.units import size
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import encoded_size, scale_columns, stored_width
 from dflash_cache.store.subspace import inner_codec
-from dflash_cache.units import size
 
 # Stored payload bytes / encoded plane bytes, for the codecs whose payload goes through zstd, on
 # activation-like states (benchmarks/codecs.py: bf16-zstd keeps 0.69 of raw bf16, fp8-zstd 0.84 of

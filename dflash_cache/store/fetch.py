@@ -16,8 +16,9 @@ from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.paths import check_shard_path, inside
+from dflash_cache.store.reader import ShardReader
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import SHARD_DIR, ShardReader, ShardRecord, file_sha256
+from dflash_cache.store.shard import SHARD_DIR, ShardRecord, file_sha256
 
 
 class ShardFetcher:

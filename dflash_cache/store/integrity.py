@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.journal import JOURNAL_DIR
 from dflash_cache.store.manifest import read_journals, spec_differences
 from dflash_cache.store.paths import inside
-from dflash_cache.store.shard import JOURNAL_DIR, file_sha256
+from dflash_cache.store.shard import file_sha256
 
 
 def hash_target_files(target_dir: Path) -> dict[str, str]:

@@ -18,25 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cache import faults
+from dflash_cache.data.rowbits import RowBits
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.lock import FolderLock
-from dflash_cache.rowbits import RowBits
+from dflash_cache.files import faults
+from dflash_cache.files.lock import FolderLock
+from dflash_cache.files.write_errors import write_failed
 from dflash_cache.store.codecs import CODECS, MAX_EXPANSION, encoded_size, stored_width
+from dflash_cache.store.journal import JOURNAL_DIR, iter_journal, read_journal
 from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
-from dflash_cache.store.shard import (
-    JOURNAL_DIR,
-    SHARD_DIR,
-    ShardRecord,
-    fsync_dir,
-    iter_journal,
-    read_journal,
-    shard_name,
-)
+from dflash_cache.store.shard import SHARD_DIR, ShardRecord, fsync_dir, shard_name
 from dflash_cache.store.subspace import GROUP, is_subspace
-from dflash_cache.write_errors import write_failed
 
 MANIFEST = "manifest.json"
 

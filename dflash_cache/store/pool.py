@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.shard import ShardReader
+from dflash_cache.store.reader import ShardReader
 
 # Well under the usual 1024 descriptors (several ranks' pools, TensorBoard, sockets share a node's
 # limits per process, not per node) and vm.max_map_count (65,530).

@@ -14,8 +14,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash_cache import faults
 from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.files import faults
 
 MIN_FETCH = 64 << 10  # smallest ranged read: an IPC footer, or a batch's metadata with a small body
 

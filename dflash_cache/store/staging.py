@@ -19,9 +19,10 @@ import tempfile
 from pathlib import Path
 
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.journal import JOURNAL_DIR, parse_journal
 from dflash_cache.store.paths import check_shard_path
 from dflash_cache.store.remote import RemoteDir
-from dflash_cache.store.shard import JOURNAL_DIR, SHARD_DIR, parse_journal
+from dflash_cache.store.shard import SHARD_DIR
 
 TARGET_DIR = "target"
 HEAD_FILE = "head.safetensors"

@@ -44,10 +44,12 @@ def inner_groups(rank: int) -> int:
 
 @dataclass
 class SubspaceOptions:
+    """How a basis is fitted (extract/options.py holds the defaults and the command line's help)."""
+
     sample: Path  # a cache of the same target and layers (any codec) whose states the basis is fitted on
-    rank: int | None = None  # k; None: the least multiple of GROUP that keeps `energy`
-    energy: float = 0.999  # share of a token's sum of squares the coordinates keep, on average
-    sample_tokens: int = 65536  # tokens of the sample read (its first samples)
+    rank: int | None  # k; None: the least multiple of GROUP that keeps `energy`
+    energy: float  # share of a token's sum of squares the coordinates keep, on average
+    sample_tokens: int  # tokens of the sample read (its first samples)
 
 
 def check_options(opts: SubspaceOptions, width: int) -> None:
@@ -118,7 +120,7 @@ def sample_chunks(cache, max_tokens: int) -> Iterable[torch.Tensor]:
 
 
 def save_basis(basis: torch.Tensor, path: Path) -> None:
-    from dflash_cache.safetensors_file import save_tensors
+    from dflash_cache.files.safetensors_file import save_tensors
 
     save_tensors({BASIS_TENSOR: basis.float().contiguous()}, path)
 

@@ -13,7 +13,8 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.cache import Cache, cut_shard_error
 from dflash_cache.store.codecs import decode
 from dflash_cache.store.integrity import check_journals, check_target_files
-from dflash_cache.store.shard import ShardReader, ShardRecord, file_sha256
+from dflash_cache.store.reader import ShardReader
+from dflash_cache.store.shard import ShardRecord, file_sha256
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store import Cache, open_cache
 from dflash_cache.store.manifest import spec_differences
 from dflash_cache.store.pool import ShardPool
-from dflash_cache.store.shard import StoredRow
+from dflash_cache.store.reader import StoredRow
 
 # Spec fields that may differ between caches trained on together: where the samples came from and how
 # they were batched.

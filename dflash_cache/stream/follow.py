@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from dflash_cache.data.plan import plan_batches, shard_for_rank
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.lock import FolderLock
+from dflash_cache.files.lock import FolderLock
 from dflash_cache.store.cache import Cache
 from dflash_cache.store.manifest import (
     MANIFEST,

@@ -24,10 +24,10 @@ from typing import Self
 import numpy as np
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.codecs import decode, decompress_into, plane_layout, scale_columns
 from dflash_cache.store.schema import Row
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import CacheSet
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from dflash_cache.batch import FeatureBatch
+from dflash_cache.stream.batch import FeatureBatch
 
 
 class MemorySource:

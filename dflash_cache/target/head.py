@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.safetensors_file import save_tensors
+from dflash_cache.files.safetensors_file import save_tensors
 from dflash_cache.target.target import Target
 
 

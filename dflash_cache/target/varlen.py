@@ -152,9 +152,17 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         return
     module = importlib.import_module(QWEN3_5_MODULE)
     conv, rule = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
-    # The reference torch code under transformers' kernel dispatch, for one sample at a time (the
-    # dispatch would send CPU tensors to flash-linear-attention where it is installed).
-    torch_conv, torch_rule = getattr(conv, "__wrapped__", conv), getattr(rule, "__wrapped__", rule)
+    module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = _packed_conv(conv), _packed_rule(rule)
+    try:
+        yield
+    finally:
+        module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = conv, rule
+
+
+# The reference torch code under transformers' kernel dispatch, for one sample at a time (the
+# dispatch would send CPU tensors to flash-linear-attention where it is installed).
+def _packed_conv(conv):
+    torch_conv = getattr(conv, "__wrapped__", conv)
 
     def packed_conv(x, weight, bias=None, activation=None, cu_seq_lens_q=None, cu_seq_lens_cpu=None, **kwargs):
         # x: [1, D, T] (a transposed view of [1, T, D]); returns [1, D, T]
@@ -174,6 +182,12 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         return torch.cat(
             [torch_conv(x[..., s:e], weight, bias, activation=activation) for s, e in _spans(cu_seq_lens_cpu)], dim=-1
         )
+
+    return packed_conv
+
+
+def _packed_rule(rule):
+    torch_rule = getattr(rule, "__wrapped__", rule)
 
     def packed_rule(query, key, value, g, beta, cu_seqlens=None, cu_seq_lens_cpu=None, **kwargs):
         # [1, T, H, D] inputs; cu_seqlens is the model's `cu_seq_lens_q`
@@ -199,8 +213,4 @@ def packed_kernels(model: torch.nn.Module) -> Iterator[None]:
         ]
         return torch.cat(outs, dim=1), None
 
-    module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = packed_conv, packed_rule
-    try:
-        yield
-    finally:
-        module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = conv, rule
+    return packed_rule

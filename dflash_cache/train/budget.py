@@ -16,20 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cache.console.units import size as gb
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import parameter_count
 from dflash_cache.drafter.head_loss import LOGITS_PER_CHUNK
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.units import size as gb
+from dflash_cache.train.config import CPU_DEFAULTS, GPU_DEFAULTS
 
-# (token budget, max anchors per sequence). On a GPU the reference settings; on the CPU the attention
-# is computed against a dense mask over the whole packed batch, so its cost grows with
-# (anchors x block) x tokens: small batches and few blocks per sequence keep a step under a second.
-GPU_DEFAULTS = (49152, 512)
 # Where the plan's largest batch would not fit on a GPU, the default caps a batch's blocks to fit in this share
 # of its total memory (not of what is free, so that a resumed run gets the same cap).
 GPU_SHARE = 0.85
-CPU_DEFAULTS = (2048, 8)
 BF16, FP32 = 2, 4
 # The dense-mask attention holds about this many bytes per (query, key) pair of a batch: the bool mask,
 # its float form and the kernel's working memory, measured on a CPU (torch 2.13:

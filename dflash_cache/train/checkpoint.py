@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from dflash_cache import faults
 from dflash_cache.drafter.checkpoint import load_drafter_state, save_drafter
 from dflash_cache.errors import DFlashCacheError, first_line
+from dflash_cache.files import faults
+from dflash_cache.files.write_errors import write_failed
 from dflash_cache.store.shard import fsync_dir
 from dflash_cache.train.optim import full_precision_weights, load_full_precision_weights
 from dflash_cache.train.state_io import load_state, save_state
-from dflash_cache.write_errors import write_failed
 
 CHECKPOINT_DIR = "checkpoints"
 TRAIN_STATE = "train_state"  # .json + .safetensors

@@ -4,62 +4,232 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.choices import DPACE_ALPHA, LOSSES
+from dflash_cache.choices import DPACE_ALPHA, LAYER_RULE, LOSSES
+from dflash_cache.console.options import option
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
 from dflash_cache.store.remote import is_remote
 
+# (token budget, max anchors per sequence). On a GPU the reference settings; on the CPU the attention
+# is computed against a dense mask over the whole packed batch, so its cost grows with
+# (anchors x block) x tokens: small batches and few blocks per sequence keep a step under a second.
+GPU_DEFAULTS = (49152, 512)
+CPU_DEFAULTS = (2048, 8)
+LIVE = "With --live-target: "
 
-@dataclass
+
+@dataclass(kw_only=True)
 class TrainConfig:
-    out: str
-    caches: list[str] = field(default_factory=list)  # folders or fsspec URLs (s3://bucket/prefix)
-    # Instead of caches, a live target (the coupled baseline): it computes every batch beside the drafter.
-    live_target: str | None = None  # a Hugging Face model directory
-    data: list[str] = field(default_factory=list)  # the data files it runs over, as for extract
-    layers: list[int] | None = None  # the target layers to feed the drafter (or num_draft_layers)
-    num_draft_layers: int | None = None
-    target_gpus: list[int] | None = None  # the target's GPU for each local rank; None: each rank's own device
-    max_length: int = 8192
-    exact_target: bool = (
-        False  # one sample per target forward: bit-exact against a --batching padded --token-budget 1 cache
+    caches: list[str] = field(
+        default_factory=list,
+        metadata=option(
+            "Cache directory written by `extract`, or its fsspec URL (s3://bucket/prefix). Repeat to train on the "
+            "union of several caches (same target, layers, codec and tokenizer).",
+            flag="--cache",
+        ),
     )
-    drafter: str = "target"  # "target" (the target's own shape), a preset name or a JSON file of config fields
-    gpus: list[int] | None = None  # None: every visible GPU (the CPU when there is none)
+    live_target: str | None = field(  # a Hugging Face model directory
+        default=None,
+        metadata=option(
+            "Instead of --cache: a Hugging Face model directory run beside the drafter, computing every batch as "
+            "coupled pipelines do (the baseline a cache is measured against). Needs --data.",
+            path=True,
+        ),
+    )
+    data: list[str] = field(
+        default_factory=list,
+        metadata=option(
+            LIVE + "the data files, as for `extract --data` (conversations JSONL or pre-tokenized "
+            "Parquet/Arrow/JSONL). Repeatable."
+        ),
+    )
+    layers: list[int] | None = field(
+        default=None,
+        metadata=option(LIVE + "target layers to feed the drafter, e.g. 1,16,31,46,61 (as for extract)."),
+    )
+    num_draft_layers: int | None = field(default=None, metadata=option(LIVE + LAYER_RULE))
+    target_gpus: list[int] | None = field(
+        default=None,
+        metadata=option(
+            LIVE + "the GPU of each training rank's own copy of the target, in --gpus order (--target-gpus 0 "
+            "--gpus 1: target on GPU 0 feeding the drafter on GPU 1). Default: each rank's training GPU."
+        ),
+    )
+    max_length: int = field(default=8192, metadata=option(LIVE + "longer samples are truncated (as for extract)."))
+    exact_target: bool = field(
+        default=False,
+        metadata=option(
+            LIVE + "run each sample alone through the target, as `extract --batching padded --token-budget 1` "
+            "does, so the losses equal those of training from such a bf16-zstd cache bit for bit (slower). "
+            "Default: a batch's samples in padded target forwards of at most --token-budget tokens."
+        ),
+    )
+    out: str = field(
+        metadata=option(
+            "Run directory: metrics.jsonl, TensorBoard files in tb/, checkpoints/step-N/. Must be new or empty, "
+            "unless --resume.",
+            path=True,
+        )
+    )
+    drafter: str = field(
+        default="target",
+        metadata=option(
+            "Drafter shape. 'target': the target's own hidden size, FFN size, heads, KV heads and head_dim, 5 "
+            "layers, block 16 (the rule the z-lab DFlash drafters follow). A preset (qwen3-8b, qwen3.6-27b: those "
+            "drafters' shapes, with the cache's hidden size, vocabulary and layers), or a JSON file of drafter "
+            "fields (README: 'Drafter JSON')."
+        ),
+    )
+    gpus: list[int] | None = field(
+        default=None,
+        metadata=option(
+            "GPUs to train on, one DDP process each, e.g. 5-7. Default: every visible GPU; the CPU when there is "
+            "none. Under torchrun, the GPU of each local rank."
+        ),
+    )
     cpu_procs: int = 0  # > 0: train on the CPU with this many processes (gloo DDP), GPUs or not
-    epochs: int | None = None  # neither epochs nor steps: one epoch
-    steps: int | None = None
-    token_budget: int | None = None  # tokens per micro-batch on each rank; None: the device type's default
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: int | None = None  # warmup steps; None: 4% of the run
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    max_anchors: int | None = None  # blocks per sequence; None: the device type's default
-    # blocks per micro-batch, a uniform subset; None: no cap, except on a GPU where the plan's batches would not fit
-    anchors_per_batch: int | None = None
-    gamma: float = 7.0  # slot k of a block weighs exp(-(k-1)/gamma) in the loss
-    labels: str = "target"  # "target": the target's argmax next token; "tokens": the data's tokens
-    loss: str = LOSSES[0]  # the training objective, one of LOSSES (drafter/loss.py)
-    dpace_alpha: float = DPACE_ALPHA  # with loss "dpace": each slot's confidence q counts as alpha + (1 - alpha) q
-    compile: bool = False
+    epochs: int | None = field(
+        default=None, metadata=option("Passes over the training samples. Default: 1 (unless --steps).")
+    )
+    steps: int | None = field(default=None, metadata=option("Optimizer steps to run instead of whole epochs."))
+    token_budget: int | None = field(
+        default=None,
+        metadata=option(
+            "Tokens per batch on each GPU (packed, no padding in eager mode). "
+            f"Default: {GPU_DEFAULTS[0]} on a GPU, {CPU_DEFAULTS[0]} on the CPU."
+        ),
+    )
+    lr: float = field(default=6e-4, metadata=option("Peak AdamW learning rate."))
+    warmup: int | None = field(
+        default=None, metadata=option("Linear warmup steps before the cosine decay. Default: 4% of the run.")
+    )
+    min_lr_ratio: float = field(default=0.1, metadata=option("The cosine ends at lr times this."))
+    weight_decay: float = field(default=0.01, metadata=option("AdamW weight decay (matrices only)."))
+    grad_clip: float = field(default=1.0, metadata=option("Clip the gradient norm to this."))
+    grad_accum: int = field(
+        default=1,
+        metadata=option("Batches per GPU per optimizer step; the global batch is GPUs x this x --token-budget."),
+    )
+    max_anchors: int | None = field(
+        default=None,
+        metadata=option(
+            f"Most training blocks per sequence. Default: {GPU_DEFAULTS[1]} on a GPU, {CPU_DEFAULTS[1]} on the CPU "
+            "(whose attention cost grows with blocks x tokens of a batch)."
+        ),
+    )
+    anchors_per_batch: int | None = field(
+        default=None,
+        metadata=option(
+            "Most training blocks per batch: a uniform subset of the blocks its sequences get (--max-anchors each). "
+            "A fixed count is what --compile needs to pad nothing. Default: no cap, except on a GPU where the "
+            "plan's largest batch would not fit in memory: then the most that fit, printed at the start."
+        ),
+    )
+    gamma: float = field(default=7.0, metadata=option("Loss weight of block slot k is exp(-(k-1)/gamma)."))
+    labels: str = field(
+        default="target",
+        metadata=option(
+            "Train on the target's own next-token predictions, or on the data's tokens.", choices=("target", "tokens")
+        ),
+    )
+    loss: str = field(
+        default=LOSSES[0],
+        metadata=option(
+            "Training objective. dflash: cross-entropy against the labels, slot k weighted exp(-(k-1)/gamma). "
+            "dpace: the same cross-entropy weighted by D-PACE's confidence-derived slot weights (see "
+            "--dpace-alpha). topk: distil the target's top-K distribution, as a cache extracted with --topk K "
+            "stores it (renormalised over the K tokens), slots weighted as dflash weighs them.",
+            choices=LOSSES,
+        ),
+    )
+    dpace_alpha: float = field(
+        default=DPACE_ALPHA,
+        metadata=option(
+            "With --loss dpace: each slot's confidence q counts as alpha + (1 - alpha) * q, in (0, 1]; 1 weighs "
+            "every slot by the counted slots from it on."
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=option(
+            "Run the drafter under torch.compile, batches padded to a fixed size (one graph): the token budget, "
+            "and the most blocks a batch of the plan can get (--anchors-per-batch caps it). Faster than eager "
+            "only when batches get about that many blocks; the start says how much is padding."
+        ),
+    )
     compile_backend: str = "inductor"
-    eval_fraction: float = 0.01
-    eval_every: int = 500
-    save_every: int = 1000  # 0: no checkpoints at all (a throughput experiment; it cannot be resumed)
-    keep_last: int = 0  # keep only the newest N complete checkpoints; 0: every one
-    log_every: int = 1  # progress lines (metrics.jsonl gets every step regardless)
-    resume: bool = False
-    seed: int = 0
-    prefetch: int = 4  # batches read ahead on each rank
-    workers: int = 8  # reader threads on each rank
-    skip_nonfinite: bool = False
-    collective_timeout_s: float = 600.0  # a rank stuck this long in a collective is an error
-    local_cache: str | None = None  # remote caches: fetch whole shards into this folder (else read byte ranges)
-    local_cache_bytes: int | None = None  # at most this many bytes of shards in it, per process
-    max_open_shards: int | None = None  # shard files open at once on each rank; None: store.pool's default_pool_size
-    follow: bool = False  # the first epoch follows the cache while its extraction writes it (stream/follow.py)
-    follow_timeout_s: float | None = None  # with follow: the longest wait for a new shard; None: no limit
+    eval_fraction: float = field(
+        default=0.01,
+        metadata=option("Share of samples held out for evaluation, chosen by a hash of the sample id."),
+    )
+    eval_every: int = field(default=500, metadata=option("Evaluate every N steps (and at the end)."))
+    save_every: int = field(
+        default=1000,
+        metadata=option(
+            "Checkpoint every N steps (and at the end); 0: never, for throughput experiments (such a run cannot "
+            "be resumed)."
+        ),
+    )
+    keep_last: int = field(
+        default=0, metadata=option("Keep only the newest N complete checkpoints (0: keep every one).")
+    )
+    log_every: int = field(
+        default=1, metadata=option("Print a progress line every N steps (metrics.jsonl gets every step).")
+    )
+    resume: bool = field(
+        default=False, metadata=option("Continue the run in --out from its newest complete checkpoint.")
+    )
+    seed: int = field(default=0, metadata=option("Seed of the batch plan, anchors and initial weights."))
+    prefetch: int = field(default=4, metadata=option("Batches read and decompressed ahead, per GPU."))
+    workers: int = field(default=8, metadata=option("Reader threads per GPU."))
+    skip_nonfinite: bool = field(
+        default=False,
+        metadata=option("Skip a step whose loss is NaN/Inf (counted in the metrics) instead of stopping."),
+    )
+    collective_timeout_s: float = field(
+        default=600.0,
+        metadata=option(
+            "Seconds a rank may wait in a collective before the run is stopped as hung.", flag="--collective-timeout"
+        ),
+    )
+    local_cache: str | None = field(
+        default=None,
+        metadata=option(
+            "With a remote --cache: fetch whole shards into this folder and read them there (default: read each "
+            "sample by byte ranges).",
+            path=True,
+        ),
+    )
+    local_cache_bytes: int | None = field(
+        default=None,
+        metadata=option(
+            "GiB of shards --local-cache may hold per process; least recently used shards are deleted past it.",
+            flag="--local-cache-size",
+            unit=1 << 30,
+        ),
+    )
+    max_open_shards: int | None = field(
+        default=None,
+        metadata=option(
+            "Shard files each GPU's readers keep open (least recently used closed first): one file descriptor and "
+            f"one memory map each, whatever the number of shards (default: {DEFAULT_MAX_OPEN_SHARDS}, or a quarter "
+            "of `ulimit -n` where that is lower)."
+        ),
+    )
+    follow: bool = field(
+        default=False,
+        metadata=option(
+            "Start while the cache is still being extracted: the first epoch trains on each shard once it is "
+            "committed, waiting for the next one (and saying so); later epochs use the whole cache. Needs --steps."
+        ),
+    )
+    follow_timeout_s: float | None = field(
+        default=None,
+        metadata=option(
+            "With --follow: stop with an error after this many seconds without a new shard. Default: wait on.",
+            flag="--follow-timeout",
+        ),
+    )
 
     def check(self) -> None:
         self.check_source()
@@ -77,6 +247,11 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise DFlashCacheError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        self._check_schedule()
+        self._check_objective()
+        self._check_devices()
+
+    def _check_schedule(self) -> None:
         if self.keep_last < 0:
             raise DFlashCacheError(f"--keep-last must be at least 0 (got {self.keep_last})")
         if self.save_every < 0:
@@ -95,6 +270,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--warmup must be at least 0 (got {self.warmup})")
         if self.seed < 0:
             raise DFlashCacheError(f"--seed must be at least 0 (got {self.seed})")
+
+    def _check_objective(self) -> None:
         if self.labels not in ("target", "tokens"):
             raise DFlashCacheError(f"--labels must be target or tokens (got {self.labels!r})")
         if self.loss not in LOSSES:
@@ -111,6 +288,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--weight-decay must be at least 0 (got {self.weight_decay})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise DFlashCacheError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+
+    def _check_devices(self) -> None:
         if self.collective_timeout_s <= 0:
             raise DFlashCacheError(f"--collective-timeout must be positive (got {self.collective_timeout_s})")
         if self.cpu_procs < 0:

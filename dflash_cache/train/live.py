@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.data.dataset import Sample
 from dflash_cache.data.tokenized import tokenized_data
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import is_held_out
 from dflash_cache.target.info import read_target_info
 from dflash_cache.target.runner import TargetRunner, padded_batch

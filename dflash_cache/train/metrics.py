@@ -8,6 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from dflash_cache.train.state import TrainState
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
 
@@ -108,3 +112,42 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return float("inf")  # a torn last line from a killed run: drop it
+
+
+class StepMetrics:
+    """Each step's and each evaluation's record: written to the run folder on the first rank (`log`),
+    dropped on the others."""
+
+    def __init__(self, log: MetricsLog | None, world: int, grad_accum: int, device: torch.device):
+        self.log, self.world, self.grad_accum, self.device = log, world, grad_accum, device
+
+    def step(self, stats: list[float], grad_norm: float, lr: float, seconds: float, state: TrainState) -> None:
+        """`stats`: the step's sums over micro-batches and ranks (train.py's STATS)."""
+        if self.log is None:
+            return
+        loss, tau_blocks, blocks, hits, counted, tokens = stats
+        record = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": loss / (self.world * self.grad_accum),
+            "tau": tau_blocks / max(blocks, 1),
+            "acc_1": hits / max(counted, 1),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": int(tokens),
+            "blocks": int(blocks),
+            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "step_time_s": seconds,
+            "skipped": state.skipped,
+        }
+        if self.device.type == "cuda":
+            record["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.log.step(record)
+
+    def eval(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.eval(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()

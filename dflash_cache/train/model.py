@@ -8,11 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.drafter.config import (
-    DrafterConfig,
-    adapt_to_cache,
-    load_drafter_config,
-)
+from dflash_cache.drafter.config import DrafterConfig, adapt_to_cache
+from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.defaults import TARGET, choose_mask_token, target_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter

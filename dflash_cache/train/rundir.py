@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError, first_line
-from dflash_cache.folders import check_no_links_out
-from dflash_cache.lock import LOCK_DIR, FolderLock, make_folder
+from dflash_cache.files.folders import check_no_links_out
+from dflash_cache.files.lock import LOCK_DIR, FolderLock, make_folder
 from dflash_cache.store.manifest import spec_differences
 from dflash_cache.train.checkpoint import latest_checkpoint
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.batch import FeatureBatch
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.errors import DFlashCacheError
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.follow import FollowedCache, Waiter
 from dflash_cache.stream.loader import Loader
@@ -44,6 +44,11 @@ class Source(ABC):
 
     def split(self, eval_fraction: float) -> tuple[list[int], list[int]]:
         return self.keyed.split(eval_fraction)
+
+    def describe_batch(self, batch: FeatureBatch, limit: int = 16) -> str:
+        """A batch as errors name it: its size and its first sample ids."""
+        ids = ", ".join(str(s) for s in batch.sample_ids[:limit]) + (", ..." if len(batch.sample_ids) > limit else "")
+        return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){self.where}"
 
     def check(self) -> None:  # noqa: B027 - a default that checks nothing, not a method to implement
         """Raises if the target files the drafter config reads are damaged."""

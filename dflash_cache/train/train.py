@@ -19,27 +19,27 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_cache import faults
-from dflash_cache.batch import FeatureBatch
+from dflash_cache.console.units import size as gb
 from dflash_cache.drafter.anchors import sample_anchors
+from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import describe_drafter
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.lock import FolderLock
+from dflash_cache.files import faults
+from dflash_cache.files.lock import FolderLock
 from dflash_cache.store.pool import default_pool_size
 from dflash_cache.store.subspace import spec_basis
+from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.epochs import (
-    EVAL,
     TRAIN,
     EpochPlan,
     batch_seed,
-    held_out_batches,
 )
 from dflash_cache.stream.follow import FollowPlan
 from dflash_cache.train.budget import (
@@ -56,13 +56,9 @@ from dflash_cache.train.budget import (
 )
 from dflash_cache.train.checkpoint import (
     checkpoint_step,
-    latest_checkpoint,
-    load_checkpoint,
     remove_partial,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
 )
+from dflash_cache.train.checkpointer import Checkpointer
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.distributed import (
     Rank,
@@ -74,13 +70,13 @@ from dflash_cache.train.distributed import (
     shutdown,
     under_torchrun,
 )
-from dflash_cache.train.metrics import MetricsLog
+from dflash_cache.train.evaluator import Evaluator
+from dflash_cache.train.metrics import MetricsLog, StepMetrics
 from dflash_cache.train.model import build_drafter, drafter_config_for
 from dflash_cache.train.optim import build_optimizer, build_scheduler, clipped_step, gradient_norm
-from dflash_cache.train.retention import prune_checkpoints
 from dflash_cache.train.rundir import prepare_run_dir, run_identity
 from dflash_cache.train.source import FollowSource, Source, check_target_gpus, open_source, target_device
-from dflash_cache.units import size as gb
+from dflash_cache.train.state import TrainState
 
 Echo = Callable[[str], None]
 # Summed over micro-batches and ranks each step: loss, tau * blocks, blocks, slot-1 hits, slot-1 counted, tokens.
@@ -131,6 +127,30 @@ def with_device_defaults(cfg: TrainConfig, device_type: str) -> TrainConfig:
     )
 
 
+@dataclass
+class RunPlan:
+    """What `prepare` and every rank derive alike from the config and the source."""
+
+    config: DrafterConfig
+    notes: list[str]  # how the drafter config was fitted to the source
+    train_keys: list[int]
+    eval_keys: list[int]
+    plan: EpochPlan | FollowPlan
+    lines: list[str]  # the plan described, when asked for
+    total: int  # steps in the whole run
+
+
+def plan_run(
+    cfg: TrainConfig, source: Source, world: int, epoch_steps: dict[int, int] | None, echo: Echo | None, describe: bool
+) -> RunPlan:
+    config, notes = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
+    train_keys, eval_keys = source.split(cfg.eval_fraction)
+    plan = make_plan(cfg, source, train_keys, world, epoch_steps, echo)
+    lines = plan.describe(0) if describe else []  # before the other epochs are counted, while epoch 0 is still cached
+    total = plan.total_steps(cfg.epochs, cfg.steps)
+    return RunPlan(config, notes, train_keys, eval_keys, plan, lines, total)
+
+
 def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | None, FolderLock]:
     """Bad input fails here, before any process is spawned and before the run folder is written:
     source, drafter config, split, plan, then the run folder. Returns the steps of each epoch
@@ -139,28 +159,12 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
     source = open_source(cfg, echo=echo)  # a live target's weights are not loaded here
     try:
         source.check()  # first: it checks the target files the drafter config reads
-        config, notes = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
-        identity = run_identity(cfg.trajectory(), world, *source.identity(), config.to_dict())
-        train_keys, eval_keys = source.split(cfg.eval_fraction)
-        plan = make_plan(cfg, source, train_keys, world, None, echo)
-        plan_lines = plan.describe(0)  # before the other epochs are counted, while epoch 0 is still cached
-        total = plan.total_steps(cfg.epochs, cfg.steps)
+        planned = plan_run(cfg, source, world, None, echo, describe=True)
+        identity = run_identity(cfg.trajectory(), world, *source.identity(), planned.config.to_dict())
         checkpoint, lock = prepare_run_dir(Path(cfg.out), identity, cfg.resume)
-        for note in notes:
-            echo(f"drafter config: {note}")
-        if cfg.max_open_shards is None and (pool_note := default_pool_size()[1]):
-            echo(pool_note)
-        echo(describe_drafter(config))
-        echo(
-            f"{source.describe()}: {len(train_keys)} to train on, "
-            f"{len(eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {total} steps "
-            f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
-            + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch")
-        )
-        for line in plan_lines:
-            echo(line)
+        _echo_run(cfg, source, planned, world, echo)
         if checkpoint is not None:
-            done = checkpoint_step(checkpoint)
+            done, total = checkpoint_step(checkpoint), planned.total
             if done >= total:
                 echo(
                     f"{cfg.out} is finished: {checkpoint.name} is its last step ({total}), nothing to train. To train "
@@ -170,7 +174,23 @@ def prepare(cfg: TrainConfig, world: int, echo: Echo) -> tuple[dict[int, int] | 
             echo(f"resuming from {checkpoint} (step {done} of {total})")
     finally:
         source.close()
-    return plan.epoch_steps, lock
+    return planned.plan.epoch_steps, lock
+
+
+def _echo_run(cfg: TrainConfig, source: Source, planned: RunPlan, world: int, echo: Echo) -> None:
+    for note in planned.notes:
+        echo(f"drafter config: {note}")
+    if cfg.max_open_shards is None and (pool_note := default_pool_size()[1]):
+        echo(pool_note)
+    echo(describe_drafter(planned.config))
+    echo(
+        f"{source.describe()}: {len(planned.train_keys)} to train on, "
+        f"{len(planned.eval_keys)} held out; {world} rank(s), grad accum {cfg.grad_accum}, {planned.total} steps "
+        f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
+        + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch")
+    )
+    for line in planned.lines:
+        echo(line)
 
 
 def make_plan(
@@ -221,20 +241,177 @@ def run(
     me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, epoch_steps: dict[int, int] | None = None
 ) -> None:
     """This rank's training loop, fed by `source` (closed at the end)."""
-    out = Path(cfg.out)
-    train_keys, eval_keys = source.split(cfg.eval_fraction)
-    plan = make_plan(cfg, source, train_keys, me.world, epoch_steps, echo)
-    total = plan.total_steps(cfg.epochs, cfg.steps)
-    held_out = held_out_batches(eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world)
+    try:
+        trainer = Trainer(me, cfg, echo, source, plan_run(cfg, source, me.world, epoch_steps, echo, describe=False))
+        try:
+            trainer.fit()
+        finally:
+            trainer.metrics.close()
+    finally:
+        source.close()
 
-    config, _ = drafter_config_for(cfg.drafter, source.spec, source.tokenizer_dir)
-    # A followed cache's batches are not known yet: its memory is checked for a batch of one sample filling the budget.
-    lengths = (
-        [[min(cfg.token_budget, source.spec["max_length"])]]
-        if isinstance(plan, FollowPlan)
-        else [[source.lengths[k] for k in b] for b in plan.batches(0)]
-    )
-    per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
+
+class Trainer:
+    """The drafter, its optimizer and the components that act after each step (metrics, evaluator,
+    checkpointer, each on its own cadence), around one loop over the plan's steps."""
+
+    def __init__(self, me: Rank, cfg: TrainConfig, echo: Echo | None, source: Source, planned: RunPlan):
+        self.me, self.cfg, self.source, self.plan, self.total = me, cfg, source, planned.plan, planned.total
+        config = planned.config
+        self.block_size = config.block_size
+        # A followed cache's batches are not known yet: its memory is checked for a batch of one sample filling the budget.
+        lengths = (
+            [[min(cfg.token_budget, source.spec["max_length"])]]
+            if isinstance(self.plan, FollowPlan)
+            else [[source.lengths[k] for k in b] for b in self.plan.batches(0)]
+        )
+        self.per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
+        _check_memory(cfg, config, lengths, self.per_batch, me, echo)
+        basis = spec_basis(source.spec, source.tokenizer_dir) if config.subspace_rank else None
+        self.model = build_drafter(config, source.head(me.device), me.device, cfg.seed, basis)
+        if (
+            me.device.type == "cpu"
+        ):  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
+            self.model.attention = "dense"
+        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * self.total)
+        self.scheduler = build_scheduler(self.optimizer, warmup, self.total, cfg.min_lr_ratio)
+        out = Path(cfg.out)
+        self.checkpointer = Checkpointer(
+            out, self.model, self.optimizer, self.scheduler, me, cfg.save_every, cfg.keep_last, self.total
+        )
+        self.state = self.checkpointer.restore() if cfg.resume else TrainState()
+        self.ddp = self.model
+        if me.world > 1:
+            device_ids = [me.device.index] if me.device.type == "cuda" else None
+            # broadcast_buffers off: the buffers (a subspace basis, up to hundreds of MB) are the same on
+            # every rank and never change; broadcasting them would cost a copy every forward
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, broadcast_buffers=False)
+        self.runner, self.anchor_cap = self._runner(lengths, planned.train_keys, echo)
+        log = None
+        if echo is not None:
+            remove_partial(out)
+            log = MetricsLog(out, self.total, self.state.step, echo, cfg.log_every)
+        self.metrics = StepMetrics(log, me.world, cfg.grad_accum, me.device)
+        self.evaluator = Evaluator(
+            DrafterRunner(self.model),  # eager and unwrapped: ranks may evaluate different numbers of batches
+            source,
+            cfg,
+            me,
+            self.block_size,
+            self.per_batch,
+            self.total,
+            self.metrics,
+            planned.eval_keys,
+            follow=isinstance(self.plan, FollowPlan),
+        )
+
+    def _runner(
+        self, lengths: list[list[int]], train_keys: list[int], echo: Echo | None
+    ) -> tuple[DrafterRunner, int | None]:
+        """The drafter eager, or compiled for one batch shape; and the most anchors of a batch."""
+        cfg, me = self.cfg, self.me
+        if not cfg.compile:
+            runner, anchor_budget = DrafterRunner(self.ddp), None
+        else:
+            anchor_budget = self.plan.anchor_bound(0, self.block_size, cfg.max_anchors)
+            anchor_budget = anchor_budget if self.per_batch is None else min(anchor_budget, self.per_batch)
+            if echo is not None:
+                anchors = [batch_anchors(b, self.block_size, cfg.max_anchors, self.per_batch) for b in lengths]
+                echo_padding(echo, anchor_budget, anchors)
+            token_budget = max(cfg.token_budget, max(self.source.lengths[k] for k in train_keys))
+            runner = DrafterRunner(
+                self.ddp,
+                compiled=True,
+                token_budget=token_budget,
+                anchor_budget=anchor_budget,
+                backend=cfg.compile_backend,
+            )
+        if echo is not None and me.device.type == "cuda":
+            echo(
+                (
+                    f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens "
+                    f"and {anchor_budget:,} anchors"
+                    if cfg.compile
+                    else "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
+                    "dynamic shapes, once for every batch shape"
+                )
+                + ", and AdamW's update"
+            )
+        return runner, anchor_budget or self.per_batch
+
+    def fit(self) -> None:
+        while self.state.step < self.total:
+            self._train_part()
+        self.checkpointer.finish(self.state)
+
+    def _train_part(self) -> None:
+        """The steps left in the current part of the current epoch; then the state moves to the next."""
+        state, cfg = self.state, self.cfg
+        part = state.part
+        batches, offset, last_part = self.plan.segment(state.epoch, part, self.me.rank)
+        local = state.epoch_step * cfg.grad_accum
+        with self.source.batches(batches[local:], self.me.device) as loader:
+            tick = time.perf_counter()
+            micro = self._micro_batches(loader, batches, offset, local, state.step)
+            while micro is not None:
+                lr = self.scheduler.get_last_lr()[0]
+                stats, grad_norm, norm, losses = train_step(
+                    self.runner, self.ddp, micro, cfg, self.me, state.step, self.source
+                )
+                # Sampling anchors waits for the GPU: here it is idle, whereas after AdamW's launch it would wait
+                # for the update, and the next step's masks and forward would be launched on an idle GPU.
+                local += cfg.grad_accum
+                upcoming = self._micro_batches(loader, batches, offset, local, state.step + 1)
+                if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
+                    handle_nonfinite([b for b, _ in micro], losses, cfg, state.step + 1, self.source)
+                    state.skipped += 1
+                else:
+                    clipped_step(self.optimizer, norm, cfg.grad_clip)  # the norm on the device: no copy, no wait
+                self.optimizer.zero_grad(set_to_none=True)
+                micro = upcoming
+                self.scheduler.step()
+                state.step += 1
+                state.epoch_step += 1
+                self.metrics.step(stats, grad_norm, lr, time.perf_counter() - tick, state)
+                faults.point("train.step")
+                self.evaluator.after_step(state)
+                self.checkpointer.after_step(state)
+                tick = time.perf_counter()
+        if state.epoch_step * cfg.grad_accum >= len(batches):
+            state.epoch, state.part = (state.epoch + 1, 0) if last_part else (state.epoch, part + 1)
+            state.epoch_step = 0
+
+    def _micro_batches(
+        self, loader, batches: list, offset: int, local: int, step: int
+    ) -> list[tuple[FeatureBatch, torch.Tensor]] | None:
+        """The batches of the run's step `step` (from 0), at plan position `local` on, with their
+        anchors; None past the epoch's part or the run."""
+        if local >= len(batches) or step >= self.total:
+            return None
+        return [
+            with_anchors(
+                next(loader),
+                self.cfg,
+                self.me,
+                self.state.epoch,
+                offset + self.plan.global_index(local + i, self.me.rank),
+                self.block_size,
+                self.anchor_cap,
+            )
+            for i in range(self.cfg.grad_accum)
+        ]
+
+
+def _check_memory(
+    cfg: TrainConfig,
+    config: DrafterConfig,
+    lengths: list[list[int]],
+    per_batch: int | None,
+    me: Rank,
+    echo: Echo | None,
+) -> None:
+    """Refuse a step that would not fit the device, before the drafter is built."""
     memory = estimate_step_memory(
         config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True, per_batch=per_batch
     )
@@ -243,136 +420,6 @@ def run(
         echo(f"memory: {memory.describe()}; {gb(have)} {what}")
     share = me.world if me.device.type == "cpu" else 1  # CPU ranks share this machine's RAM
     check_fits(memory, me.device, cfg.token_budget, cfg.max_anchors, (have // share, what))
-    basis = spec_basis(source.spec, source.tokenizer_dir) if config.subspace_rank else None
-    model = build_drafter(config, source.head(me.device), me.device, cfg.seed, basis)
-    if me.device.type == "cpu":  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
-        model.attention = "dense"
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * total)
-    scheduler = build_scheduler(optimizer, warmup, total, cfg.min_lr_ratio)
-    position = {"step": 0, "epoch": 0, "epoch_step": 0, "skipped": 0}
-    if cfg.resume:
-        restored = load_checkpoint(latest_checkpoint(out), model, optimizer, scheduler)
-        position = restored["position"]
-        set_rng_state(restored["rng"][me.rank])
-
-    ddp = model
-    if me.world > 1:
-        # broadcast_buffers off: the buffers (a subspace basis, up to hundreds of MB) are the same on
-        # every rank and never change; broadcasting them would cost a copy every forward
-        ddp = DistributedDataParallel(
-            model, device_ids=[me.device.index] if me.device.type == "cuda" else None, broadcast_buffers=False
-        )
-    anchor_budget = None
-    if cfg.compile:
-        anchor_budget = plan.anchor_bound(0, config.block_size, cfg.max_anchors)
-        anchor_budget = anchor_budget if per_batch is None else min(anchor_budget, per_batch)
-        if echo is not None:
-            echo_padding(
-                echo, anchor_budget, [batch_anchors(b, config.block_size, cfg.max_anchors, per_batch) for b in lengths]
-            )
-        token_budget = max(cfg.token_budget, max(source.lengths[k] for k in train_keys))
-        runner = DrafterRunner(
-            ddp, compiled=True, token_budget=token_budget, anchor_budget=anchor_budget, backend=cfg.compile_backend
-        )
-    else:
-        runner = DrafterRunner(ddp)
-    eval_runner = DrafterRunner(model)  # eager and unwrapped: ranks may evaluate different numbers of batches
-    if echo is not None and me.device.type == "cuda":
-        echo(
-            (
-                f"the first step compiles the whole drafter for batches padded to {runner.token_budget:,} tokens and "
-                f"{anchor_budget:,} anchors"
-                if cfg.compile
-                else "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
-                "dynamic shapes, once for every batch shape"
-            )
-            + ", and AdamW's update"
-        )
-
-    log = None
-    if echo is not None:
-        remove_partial(out)
-        log = MetricsLog(out, total, position["step"], echo, cfg.log_every)
-    saved_at = position["step"]
-    try:
-        while position["step"] < total:
-            epoch, part = position["epoch"], position.get("part", 0)
-            batches, offset, last_part = plan.segment(epoch, part, me.rank)
-            start = position["epoch_step"] * cfg.grad_accum
-            with source.batches(batches[start:], me.device) as loader:
-                tick = time.perf_counter()
-
-                def micro_batches(local: int, step: int) -> list[tuple[FeatureBatch, torch.Tensor]] | None:
-                    """The batches of the run's step `step` (from 0), at plan position `local` on, with their
-                    anchors; None past the epoch or the run."""
-                    if local >= len(batches) or step >= total:
-                        return None
-                    return [
-                        with_anchors(
-                            next(loader),
-                            cfg,
-                            me,
-                            epoch,
-                            offset + plan.global_index(local + i, me.rank),
-                            config.block_size,
-                            anchor_budget or per_batch,
-                        )
-                        for i in range(cfg.grad_accum)
-                    ]
-
-                micro = micro_batches(start, position["step"])
-                for local in range(start, len(batches), cfg.grad_accum):
-                    if micro is None:
-                        break
-                    lr = scheduler.get_last_lr()[0]
-                    stats, grad_norm, norm, losses = train_step(runner, ddp, micro, cfg, me, position["step"], source)
-                    # Sampling anchors waits for the GPU: here it is idle, whereas after AdamW's launch it would wait
-                    # for the update, and the next step's masks and forward would be launched on an idle GPU.
-                    upcoming = micro_batches(local + cfg.grad_accum, position["step"] + 1)
-                    if not (math.isfinite(stats[0]) and math.isfinite(grad_norm)):
-                        handle_nonfinite([b for b, _ in micro], losses, cfg, position["step"] + 1, source)
-                        position["skipped"] += 1
-                        optimizer.zero_grad(set_to_none=True)
-                    else:
-                        clipped_step(optimizer, norm, cfg.grad_clip)  # the norm on the device: no copy, no wait
-                        optimizer.zero_grad(set_to_none=True)
-                    micro = upcoming
-                    scheduler.step()
-                    position["step"] += 1
-                    position["epoch_step"] += 1
-                    now = time.perf_counter()
-                    if log is not None:
-                        log.step(step_record(stats, grad_norm, lr, now - tick, position, me, cfg.grad_accum))
-                    faults.point("train.step")
-                    step = position["step"]
-                    evaluating = step % cfg.eval_every == 0 or step == total
-                    if evaluating and isinstance(plan, FollowPlan):  # the held-out samples committed so far
-                        eval_keys = source.split(cfg.eval_fraction)[1]
-                        held_out = held_out_batches(
-                            eval_keys, source.lengths, cfg.token_budget, cfg.seed, me.rank, me.world
-                        )
-                    if eval_keys and evaluating:  # every rank, even one with no batch
-                        result = evaluate(eval_runner, source, held_out, cfg, me, config.block_size, per_batch)
-                        if log is not None:
-                            log.eval({"step": step, **result})
-                    if cfg.save_every and (step % cfg.save_every == 0 or step == total):
-                        save(out, model, optimizer, scheduler, position, me, cfg.keep_last)
-                        saved_at = step
-                    tick = time.perf_counter()
-            if position["epoch_step"] * cfg.grad_accum >= len(batches):
-                if last_part:
-                    position["epoch"] += 1
-                    position["part"] = 0
-                else:
-                    position["part"] = part + 1
-                position["epoch_step"] = 0
-        if cfg.save_every and saved_at != position["step"]:
-            save(out, model, optimizer, scheduler, position, me, cfg.keep_last)
-    finally:
-        if log is not None:
-            log.close()
-        source.close()
 
 
 def anchors_per_batch(cfg: TrainConfig, config, lengths: list[list[int]], me: Rank, echo: Echo | None) -> int | None:
@@ -444,7 +491,7 @@ def train_step(
             raise DFlashCacheError(
                 out_of_memory(
                     me.device,
-                    f"at step {step + 1} on {describe_batch(batch, source)}",
+                    f"at step {step + 1} on {source.describe_batch(batch)}",
                     cfg.token_budget,
                     cfg.max_anchors,
                 )
@@ -465,95 +512,13 @@ def train_step(
     return values[:STATS], values[STATS], norm, losses
 
 
-def describe_batch(batch: FeatureBatch, source: Source, limit: int = 16) -> str:
-    ids = ", ".join(str(s) for s in batch.sample_ids[:limit]) + (", ..." if len(batch.sample_ids) > limit else "")
-    return f"a batch of {batch.num_tokens} tokens in {batch.num_sequences} sequences (sample ids {ids}){source.where}"
-
-
 def handle_nonfinite(
     batches: list[FeatureBatch], losses: list[torch.Tensor], cfg: TrainConfig, step: int, source: Source
 ) -> None:
     """Skip the step (--skip-nonfinite) or stop every rank with the same message naming the batches."""
-    bad = [describe_batch(b, source) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
+    bad = [source.describe_batch(b) for b, loss in zip(batches, losses) if not torch.isfinite(loss)]
     everywhere = [b for rank_bad in all_gather_objects(bad) for b in rank_bad]
     if cfg.skip_nonfinite:
         return
     what = "; ".join(everywhere) if everywhere else "finite losses but a non-finite gradient norm"
     raise DFlashCacheError(f"non-finite loss at step {step}: {what}; pass --skip-nonfinite to skip such steps")
-
-
-@torch.no_grad()
-def evaluate(
-    runner: DrafterRunner,
-    source: Source,
-    held_out: list[tuple[int, list[int]]],
-    cfg: TrainConfig,
-    me: Rank,
-    block_size: int,
-    per_batch: int | None,
-) -> dict:
-    stats = torch.zeros(STATS, device=me.device, dtype=torch.float64)
-    with source.batches([b for _, b in held_out], me.device) as loader:
-        for (index, _), batch in zip(held_out, loader):
-            generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
-            anchors = sample_anchors(batch, block_size, cfg.max_anchors, generator, max_total=per_batch)
-            try:
-                with torch.autocast(me.device.type, dtype=torch.bfloat16):
-                    out = runner(
-                        batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss, dpace_alpha=cfg.dpace_alpha
-                    )
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not is_out_of_memory(e):
-                    raise
-                raise DFlashCacheError(
-                    out_of_memory(
-                        me.device, f"evaluating {describe_batch(batch, source)}", cfg.token_budget, cfg.max_anchors
-                    )
-                ) from None
-            stats += torch.stack(
-                [
-                    out.loss.double(),
-                    (out.tau * out.num_blocks).double(),
-                    out.num_blocks.double(),
-                    out.correct[0].double(),
-                    out.total[0].double(),
-                    torch.tensor(1.0, device=me.device, dtype=torch.float64),
-                ]
-            )
-    loss, tau_blocks, blocks, hits, counted, batches = all_reduce_sum(stats).tolist()
-    return {
-        "eval_loss": loss / max(batches, 1),
-        "eval_tau": tau_blocks / max(blocks, 1),
-        "eval_acc_1": hits / max(counted, 1),
-        "eval_batches": int(batches),
-    }
-
-
-def step_record(
-    stats: list[float], grad_norm: float, lr: float, seconds: float, position: dict, me: Rank, grad_accum: int
-) -> dict:
-    loss, tau_blocks, blocks, hits, counted, tokens = stats
-    record = {
-        "step": position["step"],
-        "epoch": position["epoch"],
-        "loss": loss / (me.world * grad_accum),
-        "tau": tau_blocks / max(blocks, 1),
-        "acc_1": hits / max(counted, 1),
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "tokens": int(tokens),
-        "blocks": int(blocks),
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "step_time_s": seconds,
-        "skipped": position["skipped"],
-    }
-    if me.device.type == "cuda":
-        record["gpu_mem_gib"] = torch.cuda.max_memory_allocated(me.device) / 2**30
-    return record
-
-
-def save(out: Path, model, optimizer, scheduler, position: dict, me: Rank, keep_last: int) -> None:
-    rngs = all_gather_objects(rng_state())
-    if me.is_main:
-        save_checkpoint(out, position["step"], model, optimizer, scheduler, dict(position), rngs)
-        prune_checkpoints(out, keep_last)

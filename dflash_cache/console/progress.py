@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dflash_cache.units import size
+from dflash_cache.console.units import size
 
 
 def duration(seconds: float) -> str:

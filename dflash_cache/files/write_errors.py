@@ -13,9 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
+from dflash_cache.console.units import size
 from dflash_cache.errors import DFlashCacheError, first_line
-from dflash_cache.lock import NOT_WRITABLE
-from dflash_cache.units import size
+from dflash_cache.files.lock import NOT_WRITABLE
 
 _OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dflash_cache.choices import CODECS
+from dflash_cache.console.units import size
 from dflash_cache.data.plan import describe_plan, plan_batches
 from dflash_cache.store.cache import Cache
 from dflash_cache.store.disk_need import bytes_per_token
 from dflash_cache.store.subspace import is_subspace
-from dflash_cache.units import size
 
 
 def describe_cache(cache: Cache, token_budget: int) -> list[str]:
