@@ -9,9 +9,10 @@ target's states from a cache; and the encode's cost beside the target's forward 
    second half (random states have no structure: their error shows only what k alone costs).
 2. real (--cache, a bf16 or bf16-zstd cache): its first --tokens tokens, the basis fitted on the
    first half and the bytes and errors measured on the second half.
-3. encode cost (--target, with --cache for its layers): the target's forward over one packed row
-   of --forward-tokens tokens in bf16 on one CPU thread, beside each codec's encode and compress of
-   the captured states (on a GPU the encode runs beside a far faster forward: this is the CPU's).
+3. encode cost (--target, with --cache for its layers): the target's forward over one sequence of
+   --forward-tokens tokens in bf16 on --device, beside each codec's encode of the captured states
+   there (what extraction runs on the GPU), and the zstd of the encoded bytes on one host thread
+   (which extraction overlaps with the next forwards on its compress threads).
 
 Bytes per token count the stored payload and scales; share is of raw bf16 (2 bytes a value);
 kept is the mean over the coded tokens' of the share of their sum of squares the basis keeps
@@ -99,31 +100,44 @@ def cache_states(path: Path, tokens: int) -> tuple[torch.Tensor, int, dict]:
     return torch.cat(list(sample_chunks(cache, tokens))), len(cache.spec["layer_ids"]), cache.spec
 
 
-def encode_cost(target: Path, spec: dict, tokens: int, ranks: list[int]) -> list[dict]:
+def timed(fn, device: str) -> tuple[float, object]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
+def encode_cost(target: Path, spec: dict, tokens: int, ranks: list[int], device: str) -> list[dict]:
+    """The forward and each codec's encode on `device` (the GPU's work), then the copy to the host
+    and zstd on one host thread, as extraction splits them."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(device).eval()
     ids = torch.randint(0, spec["target"]["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     with torch.no_grad():
-        model(ids[:, :64], output_hidden_states=True)  # warm-up
-        start = time.perf_counter()
-        out = model(ids, output_hidden_states=True)
-        forward = time.perf_counter() - start
+        model(ids, output_hidden_states=True)  # warm-up
+        forward, out = timed(lambda: model(ids, output_hidden_states=True), device)
     x = torch.cat([out.hidden_states[i + 1][0] for i in spec["layer_ids"]], dim=-1)
     layers = len(spec["layer_ids"])
-    g = gram([x], "cpu")[0]
-    print(f"\nencode on this CPU, one thread: the forward of {tokens} tokens took {forward:.2f} s")
-    print(f"{'codec':<28} {'encode+compress s':>18} {'of the forward':>15}")
+    g = gram([x], device)[0]
+    print(f"\nencode on {device}: the forward of {tokens} tokens took {forward:.4f} s")
+    print(f"{'codec':<28} {'encode s':>10} {'of the forward':>15} {'host zstd s':>12}")
     rows = []
     for label, codec, k in codec_list(ranks):
         if k and k > x.shape[1]:
             continue
-        basis = fit_basis(g, k, 1.0)[0] if k else None
-        start = time.perf_counter()
-        compress(encode(x, codec, layers, basis).planes.numpy(), codec)
-        seconds = time.perf_counter() - start
-        rows.append({"codec": label, "encode_s": seconds, "forward_s": forward, "share": seconds / forward})
-        print(f"{label:<28} {seconds:>18.3f} {seconds / forward:>15.3f}")
+        basis = fit_basis(g, k, 1.0)[0].to(device) if k else None
+        encode(x, codec, layers, basis)  # warm-up
+        seconds, enc = timed(lambda: encode(x, codec, layers, basis), device)
+        planes = enc.planes.cpu().numpy()
+        host, _ = timed(lambda: compress(planes, codec), "cpu")
+        rows.append(
+            {"codec": label, "encode_s": seconds, "forward_s": forward, "share": seconds / forward, "zstd_s": host}
+        )
+        print(f"{label:<28} {seconds:>10.4f} {seconds / forward:>15.3f} {host:>12.4f}")
     return rows
 
 
@@ -137,6 +151,7 @@ def main() -> None:
     parser.add_argument("--random-ranks", default="1024,2048", help="subspace ranks on the random states")
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--device", default="cpu", help="where the forward and the encode run (cuda: a GPU)")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -151,7 +166,7 @@ def main() -> None:
         x, layers, spec = cache_states(args.cache, args.tokens)
         rows += table(f"{spec['target']['name']}'s states, layers {spec['layer_ids']}", x, layers, ranks)
         if args.target:
-            rows += encode_cost(args.target, spec, args.forward_tokens, ranks)
+            rows += encode_cost(args.target, spec, args.forward_tokens, ranks, args.device)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
