@@ -76,6 +76,10 @@ def prepare_basis(
     g, tokens = gram(sample_chunks(cache, opts.sample_tokens), device)
     basis, kept = fit_basis(g, opts.rank, opts.energy, sample_chunks(cache, opts.sample_tokens))
     del g
+    if device.startswith("cuda"):  # the fit's GBs (a [W, W] float64 pair at W = 25,600) back to the ranks
+        import torch
+
+        torch.cuda.empty_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_basis(basis, tmp)
