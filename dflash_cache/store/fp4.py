@@ -37,19 +37,20 @@ def encode(x: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor
 
     t, width = x.shape
     check_width(width, num_layers)
-    x = x.float()
-    layer_amax = x.reshape(t, num_layers, -1).abs().amax(dim=-1)
-    scales = layer_amax.clamp_min(1e-30) / (E2M1_MAX * E4M3_MAX)  # [T, L]
+    # In place where it can be: a sample of 8,192 tokens at the 27B shape is 840 MB a float32 copy,
+    # on the GPU that holds the target.
     blocks = x.reshape(t, num_layers, -1, BLOCK)
-    block_amax = blocks.abs().amax(dim=-1)  # [T, L, B]
-    block_scale = (block_amax / (E2M1_MAX * scales.unsqueeze(-1))).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * scales.unsqueeze(-1)  # the block's decoded scale
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = (blocks / safe.unsqueeze(-1)).abs().clamp(max=E2M1_MAX)
-    q = torch.where((step > 0).unsqueeze(-1), q, torch.zeros_like(q))
+    block_amax = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_()).float()  # [T, L, B]
+    scales = block_amax.amax(dim=-1).clamp_min_(1e-30).div_(E2M1_MAX * E4M3_MAX)  # [T, L]
+    block_scale = (block_amax / (E2M1_MAX * scales.unsqueeze(-1))).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float().mul_(scales.unsqueeze(-1))  # the block's decoded scale
+    live = step > 0
+    q = blocks.float().div_(torch.where(live, step, 1.0).unsqueeze(-1)).abs_().clamp_(max=E2M1_MAX)
+    q.mul_(live.unsqueeze(-1))  # a block whose scale is 0 codes every value as 0
     code = torch.zeros(q.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in _MIDPOINTS:
         code += (q >= midpoint) if tie_up else (q > midpoint)
+    del q
     code |= (blocks < 0).to(torch.uint8) << 3
     code = code.reshape(t, width)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
