@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
 from dflash_cache.store.disk_need import bytes_per_token
+from dflash_cache_cli.main import main
 from tests.fulldisk import can_mount_tmpfs
-from tests.test_extract import extract_args
+from tests.test_extract import extract_args, run_extract
 
 
 def spec_27b(codec: str, **extra) -> dict:
@@ -58,3 +60,16 @@ def test_extract_refuses_a_file_system_too_small_and_the_flag_overrides(qwen3_ta
     assert f"({int(planned):,} tokens x 186 bytes" in error, error  # 128 values x 2 bytes x 0.69 + 9
     assert (tmp_path / "forced.rc").read_text().strip() == "1"
     assert "not enough" not in forced and "No space left on device" in forced, forced[-2000:]
+
+
+def test_inspect_of_a_data_file_tells_the_disk_its_cache_takes(qwen3_target_dir, conversations, tmp_path):
+    """The tokens inspect counts are those extract then writes; 2 layers x 64 values a token: bf16
+    256 bytes, fp4 64 of codes, 8 of block scales and 8 of layer scales; each 9 of ids and mask."""
+    summary = run_extract(qwen3_target_dir, conversations, tmp_path / "cache")
+    result = CliRunner().invoke(
+        main, ["inspect", str(conversations), "--target", str(qwen3_target_dir), "--layers", "1,4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f": {summary.tokens:,} tokens within --max-length" in result.output, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines() if "bytes a token" in line}
+    assert "(265 bytes a token)" in lines["bf16"] and "(89 bytes a token)" in lines["fp4"], result.output
