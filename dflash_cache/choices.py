@@ -3,7 +3,8 @@ torch or transformers (the modules that use them import them from here)."""
 
 from pathlib import Path
 
-CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
+# subspace-C: coordinates on a basis fitted to the target's states, coded by C (store/subspace.py)
+CODECS = ("bf16", "bf16-zstd", "fp8-zstd", "fp4", "fp4-zstd", "subspace-bf16-zstd", "subspace-fp8-zstd", "subspace-fp4")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # weights of `export`
 TARGET_DTYPES = ("float32", "bfloat16")  # the target of `eval --target`
 # the drafter's training objectives (drafter/loss.py). The first, DFlash's own, is what the library's

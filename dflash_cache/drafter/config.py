@@ -48,6 +48,9 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)  # empty: all full attention
     sliding_window: int | None = None
     preset: str | None = None  # the preset this config came from; None for a JSON file
+    # >0: `fc` reads this many coordinates of a subspace-coded cache and the model holds the basis,
+    # which export folds into `fc` (store/subspace.py); 0: `fc` reads the layers' states
+    subspace_rank: int = 0
 
     def __post_init__(self) -> None:
         self.check_types()
@@ -109,6 +112,8 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
             problems.append(f"sliding_window must be a positive integer or null, not {self.sliding_window!r}")
+        if type(self.subspace_rank) is not int or self.subspace_rank < 0:
+            problems.append(f"subspace_rank must be 0 or a positive integer, not {self.subspace_rank!r}")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
         elif self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:

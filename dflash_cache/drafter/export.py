@@ -13,6 +13,7 @@ from dflash_cache.drafter.reference import config_to_reference
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.files.folders import check_holds_only
 from dflash_cache.files.safetensors_file import save_tensors
+from dflash_cache.store.subspace import fold
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -35,6 +36,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     config, state = load_drafter_state(checkpoint_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if config.subspace_rank:  # the reference layout reads full states: fold the basis into fc
+        state["fc.weight"] = fold(state["fc.weight"], state.pop("subspace_basis"))
     tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in state.items()}
     save_tensors(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_reference(config, dtype), indent=2) + "\n")

@@ -141,7 +141,10 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DrafterConfig, head: TargetHead | None = None, attention: str = "flex", tile: int = 128):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        width = len(config.target_layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(config.subspace_rank or width, config.hidden_size, bias=False)
+        if config.subspace_rank:  # set from the cache (train/model.py); a buffer, so checkpoints carry it
+            self.register_buffer("subspace_basis", torch.zeros(width, config.subspace_rank))
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -211,7 +214,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x).unflatten(0, (a, b))
 
     def project_context(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, L*H_target] target hidden states -> [N, H] context."""
+        """[N, L*H_target] target hidden states, or [N, k] coordinates for a subspace drafter -> [N, H] context."""
+        if self.config.subspace_rank and hidden.shape[-1] != self.config.subspace_rank:
+            hidden = hidden @ self.subspace_basis.to(hidden.dtype)  # full states, from a live target
         return self.hidden_norm(self.fc(hidden))
 
     def forward(

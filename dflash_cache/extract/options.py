@@ -33,7 +33,43 @@ class ExtractOptions:
     num_draft_layers: int | None = field(default=None, metadata=option(LAYER_RULE))
     codec: str = field(
         default="bf16-zstd",
-        metadata=option("bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.6x the bytes.", choices=CODECS),
+        metadata=option(
+            "bf16-zstd and bf16 are lossless; fp8-zstd is lossy, about 0.42x raw bf16; fp4 and fp4-zstd (4-bit "
+            "values with a scale per 16) are lossier, about 0.28x. subspace-C stores each token's coordinates on "
+            "a basis fitted to --subspace-sample, coded by C.",
+            choices=CODECS,
+        ),
+    )
+    subspace_sample: Path | None = field(
+        default=None,
+        metadata=option(
+            "subspace codecs: a cache of this target and layers (e.g. a small bf16-zstd extraction) whose states "
+            "the basis is fitted on."
+        ),
+    )
+    subspace_rank: int | None = field(
+        default=None,
+        metadata=option(
+            "subspace codecs: coordinates a token keeps (a multiple of 64). Default: as many as --subspace-energy "
+            "needs.",
+            minimum=64,
+        ),
+    )
+    subspace_energy: float = field(
+        default=0.999,
+        metadata=option(
+            "subspace codecs: the share of a token's sum of squares the coordinates keep, on average over the sample."
+        ),
+    )
+    subspace_sample_tokens: int = 65536  # tokens of the sample the basis is fitted on (its first samples)
+    check_disk: bool = field(
+        default=True,
+        metadata=option(
+            "Start even when the output's file system looks too small for the cache (the estimate is stated "
+            "either way).",
+            flag="--skip-disk-check",
+            invert=True,
+        ),
     )
     gpus: list[int] | None = field(
         default=None,

@@ -35,11 +35,14 @@ from dflash_cache.extract.events import ExtractEvents
 from dflash_cache.extract.options import TOKEN_BUDGETS, ExtractOptions
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.extract.spec import make_spec, tokenizer_hash
+from dflash_cache.extract.subspace_basis import prepare_basis
 from dflash_cache.extract.worker import Progress, RankJob, RankSummary, run_rank
 from dflash_cache.files.lock import launch_key
 from dflash_cache.store.codecs import check_codec
+from dflash_cache.store.disk_need import check_disk, disk_need
 from dflash_cache.store.remote import is_remote
 from dflash_cache.store.resume import Resumed, WritableCache
+from dflash_cache.store.subspace import SubspaceOptions, is_subspace
 from dflash_cache.target.batch import Layout
 from dflash_cache.target.families import Batching, check_extractable, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
@@ -155,9 +158,16 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         data = _tokenized(opts, events)
         layout = choose_layout(batching, budget, opts.max_length, int(data.lengths.max()))
         spec = _spec(opts, info, layer_ids, data, budget, layout)
+        if is_subspace(opts.codec):
+            spec["subspace"] = prepare_basis(_subspace(opts), spec, cache, devices[0], dist is not None, events.note)
         resumed = _resume(cache, spec, data, rank_ids, dist is None, group, devices[0], events)
         left = len(data.sample_ids) - resumed.done.count()
         tokens_left = int(data.lengths.sum()) - resumed.done.total(data.lengths)
+        if cache.remote is None:  # a remote cache's staging folder holds a few shards at a time
+            need = disk_need(cache.root, tokens_left, spec)
+            if opts.check_disk:
+                check_disk(need, opts.codec)
+            events.note(need.describe(opts.codec))
         events.plan(left, tokens_left, f"{layout.describe()}: {batching.reason}")
         complete = not left and resumed.target_files_done
         if complete:
@@ -220,6 +230,12 @@ def _tokenized(opts: ExtractOptions, events: ExtractEvents) -> TokenizedData:
             f"{len(data.info.untrainable)} with no assistant token within --max-length {opts.max_length})"
         )
     return data
+
+
+def _subspace(opts: ExtractOptions) -> SubspaceOptions | None:
+    if opts.subspace_sample is None:
+        return None
+    return SubspaceOptions(opts.subspace_sample, opts.subspace_rank, opts.subspace_energy, opts.subspace_sample_tokens)
 
 
 def _spec(

@@ -29,10 +29,11 @@ from dflash_cache.extract.checks import describe_problem, layer_health
 from dflash_cache.extract.split import Part, SampleOutOfMemory, run_with_split
 from dflash_cache.files import faults
 from dflash_cache.files.write_errors import write_failed
-from dflash_cache.store.codecs import compress, encode, encoded_size
+from dflash_cache.store.codecs import compress, encode, encoded_size, stored_width
 from dflash_cache.store.integrity import hash_target_files
 from dflash_cache.store.schema import Row
 from dflash_cache.store.staging import Uploader
+from dflash_cache.store.subspace import spec_basis
 from dflash_cache.store.writer import ShardWriter
 from dflash_cache.target.batch import Layout, to_device
 from dflash_cache.target.head import head_tensors, save_target_files
@@ -162,7 +163,7 @@ class _HostCopy:
     planes: torch.Tensor  # uint8 staging slot: the new samples' encoded planes, one after another
     health: torch.Tensor  # int32 [new samples, 2, L], see checks.layer_health
     target_ids: torch.Tensor  # int32 [B * T], the forward's positions flattened
-    scales: torch.Tensor | None  # fp32 [new samples' tokens, L] (fp8-zstd)
+    scales: torch.Tensor | None  # fp32 [new samples' tokens, scale columns] (codecs.scale_columns)
     topk_ids: torch.Tensor | None  # int32 [B * T, K]
     topk_logprobs: torch.Tensor | None  # fp32 [B * T, K]
     ready: torch.cuda.Event | None
@@ -286,8 +287,9 @@ def run_rank(
     if job.group is not None and not job.group.writes:
         return _compute_beside(job, kernels, on_gpu)
     largest = max((sum(len(job.samples[sid].input_ids) for sid in batch) for batch in job.batches), default=0)
-    width = job.spec["target"]["hidden_size"] * len(job.spec["layer_ids"])
-    ring = _StagingRing(job.staging_slots, encoded_size(codec, largest, width), on_gpu)  # pinned while the target loads
+    ring = _StagingRing(
+        job.staging_slots, encoded_size(codec, largest, stored_width(job.spec)), on_gpu
+    )  # pinned while the target loads
     target = target or _load(job)
     shards = _shard_writer(job, target)
     runner = TargetRunner(target, job.spec["layer_ids"], topk=job.spec["topk"])
@@ -358,6 +360,7 @@ class _PartEncoder:
     def __init__(self, job: RankJob, ring: _StagingRing, copy_stream: torch.cuda.Stream | None):
         self.job, self.ring, self.copy_stream = job, ring, copy_stream
         self.codec, self.layer_ids = job.spec["codec"], job.spec["layer_ids"]
+        self.basis = spec_basis(job.spec, job.root / "target", job.device)
         self.pool = ThreadPoolExecutor(job.compress_threads, thread_name_prefix=f"compress-r{job.rank}")
 
     def encode(self, part: Part, check: Callable[[], None]) -> tuple[list[Future], float]:
@@ -371,7 +374,10 @@ class _PartEncoder:
         device = out.hidden.device
         health = layer_health(out.hidden, to_device(offsets, device), to_device(lengths, device), num_layers)
         flat = out.hidden.view(-1, out.hidden.shape[-1])
-        encoded = [encode(flat[o : o + n], self.codec, num_layers) for o, n in zip(offsets.tolist(), lengths.tolist())]
+        encoded = [
+            encode(flat[o : o + n], self.codec, num_layers, self.basis)
+            for o, n in zip(offsets.tolist(), lengths.tolist())
+        ]
         slot, waited = self.ring.take(sum(e.planes.numel() for e in encoded), check)
         tasks, start, scales_start = [], 0, 0
         for index, (i, e) in enumerate(zip(new, encoded)):

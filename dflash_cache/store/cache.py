@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.codecs import decode, decompress, encoded_size
+from dflash_cache.store.codecs import decode, decompress, encoded_size, stored_width
 from dflash_cache.store.fetch import ShardFetcher
 from dflash_cache.store.manifest import read_manifest, read_remote_manifest
 from dflash_cache.store.paths import check_file_name, inside
@@ -90,7 +90,7 @@ class Cache:
         self.spec: dict = self.manifest["spec"]
         self.shards: list[ShardRecord] = []
         self.codec: str = self.spec["codec"]
-        self.width: int = len(self.spec["layer_ids"]) * self.spec["target"]["hidden_size"]
+        self.width: int = stored_width(self.spec)  # values a token's stored tensor decodes to
         self._where: dict[int, tuple[int, int]] = {}
         self._lengths: dict[int, int] = {}
         self._by_record: dict[str, int | list[int]] | None = None  # built on first use: training needs none

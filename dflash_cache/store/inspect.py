@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dflash_cache.choices import CODECS
 from dflash_cache.console.units import size
 from dflash_cache.data.plan import describe_plan, plan_batches
 from dflash_cache.store.cache import Cache
+from dflash_cache.store.disk_need import bytes_per_token
+from dflash_cache.store.subspace import is_subspace
 
 
 def describe_cache(cache: Cache, token_budget: int) -> list[str]:
@@ -23,12 +26,26 @@ def describe_cache(cache: Cache, token_budget: int) -> list[str]:
         f"shards:       {len(cache.shards)}, {size(totals['bytes'])}",
         f"bytes/token:  {totals['bytes'] / tokens:,.0f} (hidden states {totals['hidden_bytes'] / tokens:,.0f}, raw bf16 {totals['raw_hidden_bytes'] / tokens:,.0f})",
         f"compression:  {totals['hidden_bytes'] / max(totals['raw_hidden_bytes'], 1):.3f} of raw bf16",
+        "disk for these tokens with each codec (estimated as extract does before it starts):",
+        *["  " + line for line in disk_by_codec(spec, totals["tokens"])],
         f"plan at a token budget of {token_budget:,}:",
     ]
     lengths = cache.lengths()
     ids = sorted(lengths)
     batches = plan_batches(ids, [lengths[i] for i in ids], token_budget, seed=None)
     return lines + ["  " + line for line in describe_plan(batches, lengths)]
+
+
+def disk_by_codec(spec: dict, tokens: int) -> list[str]:
+    """One line per codec but the subspace ones (whose size is their rank's: --subspace-rank k
+    takes about k values a token)."""
+    lines = []
+    for codec in CODECS:
+        if is_subspace(codec):
+            continue
+        per_token = bytes_per_token({**spec, "codec": codec})
+        lines.append(f"{codec:<10} {size(int(per_token * tokens)):>10} ({per_token:,.0f} bytes a token)")
+    return lines
 
 
 def _record_id_line(cache: Cache) -> str:

@@ -23,12 +23,13 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.files import faults
 from dflash_cache.files.lock import FolderLock
 from dflash_cache.files.write_errors import write_failed
-from dflash_cache.store.codecs import CODECS, MAX_EXPANSION, encoded_size
+from dflash_cache.store.codecs import CODECS, MAX_EXPANSION, encoded_size, stored_width
 from dflash_cache.store.journal import JOURNAL_DIR, iter_journal, read_journal
 from dflash_cache.store.paths import check_shard_path, is_file_name
 from dflash_cache.store.remote import RemoteDir
 from dflash_cache.store.schema import FORMAT_NAME, FORMAT_VERSION
 from dflash_cache.store.shard import SHARD_DIR, ShardRecord, fsync_dir, shard_name
+from dflash_cache.store.subspace import GROUP, is_subspace
 
 MANIFEST = "manifest.json"
 
@@ -381,6 +382,10 @@ def parse_manifest(data: bytes, path: str) -> dict:
             raise ValueError(f"unknown codec {spec['codec']!r}")
         if not (spec["layer_ids"] and _counts(spec["layer_ids"]) and _counts([spec["target"]["hidden_size"]])):
             raise ValueError("the spec's layer ids or hidden size are not integers")
+        if is_subspace(spec["codec"]):
+            rank, width = spec["subspace"]["rank"], len(spec["layer_ids"]) * spec["target"]["hidden_size"]
+            if not (_counts([rank]) and 0 < rank <= width and rank % GROUP == 0):
+                raise ValueError(f"subspace rank {rank!r} is not a multiple of {GROUP} up to the width {width}")
         # Readers size their buffers by these counts before a row is read: a count past max_length
         # (2^40 tokens in a manifest someone shared) would be allocated first and checked after.
         if not _counts([spec["max_length"]]) or any(
@@ -406,7 +411,7 @@ def _check_width(spec: dict, shards: list[ShardRecord]) -> None:
     before a row is read."""
     codec, layers, hidden = spec["codec"], len(spec["layer_ids"]), spec["target"]["hidden_size"]
     for s in shards:
-        planes = encoded_size(codec, s.tokens, layers * hidden)
+        planes = encoded_size(codec, s.tokens, stored_width(spec))
         if planes > MAX_EXPANSION[codec] * s.bytes:
             raise ValueError(
                 f"spec.target.hidden_size {hidden} x {layers} layer_ids is too wide for shard {s.path}: its "

@@ -22,7 +22,7 @@ ROW_SCHEMA_V1 = pa.schema(
         pa.field("topk_ids", pa.list_(pa.int32())),  # [T*K] row-major, null without --topk
         pa.field("topk_logprobs", pa.list_(pa.float32())),  # [T*K]
         pa.field("hidden", pa.large_binary(), nullable=False),  # compressed codec payload
-        pa.field("hidden_scales", pa.binary()),  # fp32 [T, L] little-endian, fp8-zstd only
+        pa.field("hidden_scales", pa.binary()),  # fp32 [T, L] little-endian, fp8 and fp4 codecs only
         pa.field("checksum", pa.uint32(), nullable=False),
     ]
 )

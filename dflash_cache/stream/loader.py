@@ -6,7 +6,7 @@ Two stages, both ahead of the step that consumes the batch:
    task straight into its slice of the batch's host buffers (pinned when the device is a GPU).
    Offsets come from the manifest lengths, so rows fill in parallel and no copy happens after. At most `prefetch` batches are in this stage, which bounds host memory.
 2. Device (the main thread): the encoded buffers are copied to the GPU on a side stream and decoded
-   there (byte-plane merge or fp8 scaling); the consuming stream waits on an event. The next batch
+   there (byte-plane merge, fp8 or fp4 scaling); the consuming stream waits on an event. The next batch
    is sent while the current one trains. On the CPU the same code runs without pinning or streams.
 
 Batches are packed, never padded, and no buffer is cached per shape.
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import DFlashCacheError
-from dflash_cache.store.codecs import PLANE_LAYOUT, decode, decompress_into
+from dflash_cache.store.codecs import decode, decompress_into, plane_layout, scale_columns
 from dflash_cache.store.schema import Row
 from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import CacheSet
@@ -48,7 +48,7 @@ class HostBatch:
     loss_mask: torch.Tensor  # bool [N]
     target_ids: torch.Tensor  # int64 [N]
     planes: torch.Tensor  # uint8 [P, N * width * bytes]: plane p of every sample, in order
-    scales: torch.Tensor | None  # fp32 [N, L] for fp8-zstd
+    scales: torch.Tensor | None  # fp32 [N, L] for the fp8 and fp4 codecs
     cu_seqlens: torch.Tensor  # int32 [S+1]
     topk_ids: torch.Tensor | None = None  # int64 [N, K], when the loader reads the top-K labels
     topk_logprobs: torch.Tensor | None = None  # fp32 [N, K]
@@ -64,12 +64,12 @@ def empty_host_batch(
     `topk`: with buffers for the cache's top-K labels."""
     offsets = [0, *itertools.accumulate(caches.lengths[k] for k in keys)]
     n = offsets[-1]
-    num_planes, value_bytes = PLANE_LAYOUT[caches.codec]
+    num_planes, token_bytes = plane_layout(caches.codec, caches.width)
     new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
-    layers = len(caches.spec["layer_ids"])
-    plane_bytes = n * caches.width * value_bytes
+    columns = scale_columns(caches.spec)
+    plane_bytes = n * token_bytes
     k = caches.spec.get("topk", 0) if topk else 0
-    buffer = new(num_planes * max(n, capacity_tokens) * caches.width * value_bytes, dtype=torch.uint8)
+    buffer = new(num_planes * max(n, capacity_tokens) * token_bytes, dtype=torch.uint8)
     return HostBatch(
         keys=list(keys),
         sample_ids=[caches.sample_id(k) for k in keys],
@@ -78,7 +78,7 @@ def empty_host_batch(
         loss_mask=new(n, dtype=torch.bool),
         target_ids=new(n, dtype=torch.int64),
         planes=buffer[: num_planes * plane_bytes].view(num_planes, plane_bytes),
-        scales=new(n, layers, dtype=torch.float32) if caches.codec == "fp8-zstd" else None,
+        scales=new(n, columns, dtype=torch.float32) if columns else None,
         cu_seqlens=new(len(offsets), dtype=torch.int32).copy_(torch.tensor(offsets, dtype=torch.int32)),
         topk_ids=new(n, k, dtype=torch.int64) if k else None,
         topk_logprobs=new(n, k, dtype=torch.float32) if k else None,
@@ -115,7 +115,7 @@ def fill_row(caches: CacheSet, batch: HostBatch, index: int) -> None:
             scales = batch.scales.numpy()[start:end]
             if row.hidden_scales is None or len(row.hidden_scales) != scales.nbytes:
                 raise DFlashCacheError(
-                    f"fp8 scales hold {len(row.hidden_scales or b'')} bytes, expected {scales.nbytes}"
+                    f"hidden scales hold {len(row.hidden_scales or b'')} bytes, expected {scales.nbytes}"
                 )
             np.copyto(scales, np.frombuffer(row.hidden_scales, dtype=np.float32).reshape(scales.shape))
     except DFlashCacheError as e:

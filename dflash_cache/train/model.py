@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.integrity import check_target_files
+from dflash_cache.store.subspace import is_subspace
 from dflash_cache.stream.caches import CacheSet
 
 HEAD_FILE = "head.safetensors"
@@ -32,6 +34,17 @@ def tokenizer_mask_token(target_dir: Path) -> int | None:
 
 
 def drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tuple[DrafterConfig, list[str]]:
+    """`_drafter_config_for`, its `fc` reading what the cache stores: the layers' states, or a subspace
+    codec's coordinates."""
+    config, notes = _drafter_config_for(name_or_path, spec, tokenizer_dir)
+    rank = spec.get("subspace", {}).get("rank", 0) if is_subspace(spec.get("codec", "")) else 0
+    if config.subspace_rank != rank:
+        notes.append(f"subspace_rank: {config.subspace_rank} -> {rank} (the cache's {spec['codec']} coordinates)")
+        config = replace(config, subspace_rank=rank)
+    return config, notes
+
+
+def _drafter_config_for(name_or_path: str, spec: dict, tokenizer_dir: Path) -> tuple[DrafterConfig, list[str]]:
     """The drafter config fitted to the target of a cache spec (`target`: the target's own shape; a preset
     adapts; a JSON file must already match), and one line per change. The mask token is the tokenizer's
     if it declares one; the target's own shape otherwise gets one chosen for it (`choose_mask_token`)."""
@@ -64,12 +77,18 @@ def check_head(caches: CacheSet) -> Path:
     return path
 
 
-def build_drafter(config: DrafterConfig, head: TargetHead, device: torch.device, seed: int) -> DFlashDrafter:
+def build_drafter(
+    config: DrafterConfig, head: TargetHead, device: torch.device, seed: int, basis: torch.Tensor | None = None
+) -> DFlashDrafter:
     """fp32 weights initialised from `seed` on `device` itself (the same on every rank), with the bf16
-    target head. Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
+    target head; `basis`: a subspace cache's (config.subspace_rank > 0). Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
     on a small CPU before the first step."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = DFlashDrafter(config)
     model.head = head
+    if config.subspace_rank:
+        if basis is None:
+            raise DFlashCacheError("this drafter reads subspace coordinates: train it on a subspace-coded cache")
+        model.subspace_basis.copy_(basis)
     return model

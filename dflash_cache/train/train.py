@@ -34,6 +34,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.files import faults
 from dflash_cache.files.lock import FolderLock
 from dflash_cache.store.pool import default_pool_size
+from dflash_cache.store.subspace import spec_basis
 from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.epochs import (
     TRAIN,
@@ -266,7 +267,8 @@ class Trainer:
         )
         self.per_batch = anchors_per_batch(cfg, config, lengths, me, echo)
         _check_memory(cfg, config, lengths, self.per_batch, me, echo)
-        self.model = build_drafter(config, source.head(me.device), me.device, cfg.seed)
+        basis = spec_basis(source.spec, source.tokenizer_dir) if config.subspace_rank else None
+        self.model = build_drafter(config, source.head(me.device), me.device, cfg.seed, basis)
         if (
             me.device.type == "cpu"
         ):  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
@@ -282,7 +284,9 @@ class Trainer:
         self.ddp = self.model
         if me.world > 1:
             device_ids = [me.device.index] if me.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+            # broadcast_buffers off: the buffers (a subspace basis, up to hundreds of MB) are the same on
+            # every rank and never change; broadcasting them would cost a copy every forward
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, broadcast_buffers=False)
         self.runner, self.anchor_cap = self._runner(lengths, planned.train_keys, echo)
         log = None
         if echo is not None:

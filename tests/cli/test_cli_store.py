@@ -9,6 +9,10 @@ def test_inspect_and_verify_a_good_cache(tmp_path):
     code, out = cli("inspect", tmp_path, "--token-budget", 256)
     assert code == 0
     assert "samples:      6" in out and "Batches per epoch:" in out and "Bucket" in out and "compression:" in out
+    # 2 layers x 32 values a token: raw bf16 128 bytes, fp4 32 of codes, 4 of block scales and 8 of
+    # layer scales; each with 9 bytes of token ids and loss mask
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "bytes a token" in line}
+    assert "(137 bytes a token)" in lines["bf16"] and "(53 bytes a token)" in lines["fp4"], out
     code, out = cli("verify", tmp_path)
     assert code == 0 and out.startswith("ok: 3 shards, 6 samples, 478 tokens")
 

@@ -1,10 +1,6 @@
 """Our export against the reference implementation (`dflash` 0.1.0 on PyPI, class DFlashDraftModel)."""
 
-import hashlib
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,24 +17,9 @@ from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache_cli.main import main
 from tests.support.drafter import random_batch
+from tests.support.reference import reference_model_class
 
-# dflash 0.1.0 from PyPI as published, imported from the wheel (tests/fixtures/reference/SOURCES.md)
-REFERENCE = Path(__file__).parents[1] / "fixtures" / "reference" / "dflash-0.1.0-py3-none-any.whl"
-REFERENCE_SHA256 = "b3fe38d9413efc30a952c8b38b34f1dcc696ba6d7b865acbf540a34cc53afaa2"
 BLOCK = 4
-
-
-def reference_model_class():
-    """The reference's DFlashDraftModel, imported from the committed wheel (Python imports pure
-    modules from a zip on sys.path); nothing is installed."""
-    assert hashlib.sha256(REFERENCE.read_bytes()).hexdigest() == REFERENCE_SHA256
-    sys.path.insert(0, str(REFERENCE))
-    try:
-        module = importlib.import_module("dflash.model")
-    finally:
-        sys.path.remove(str(REFERENCE))
-    assert module.__file__.startswith(str(REFERENCE)), f"dflash.model was imported from {module.__file__}"
-    return module.DFlashDraftModel
 
 
 @pytest.fixture(scope="module")

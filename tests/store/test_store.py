@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_cache import DFlashCacheError, open_cache
-from dflash_cache.store.codecs import CODECS, compress, decode, decompress, encode, encoded_size
+from dflash_cache.store.codecs import CODECS, SUBSPACE_CODECS, compress, decode, decompress, encode, encoded_size
 from dflash_cache.store.manifest import build_manifest, manifest_checksum, read_journals, write_manifest
 from dflash_cache.store.reader import ShardReader
 from dflash_cache.store.shard import file_sha256
@@ -57,7 +57,7 @@ def test_bf16_zstd_high_byte_plane_comes_first():
     assert planes.tolist() == raw[:, 1].tolist() + raw[:, 0].tolist()
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", [c for c in CODECS if c not in SUBSPACE_CODECS])  # those: test_subspace
 def test_cache_roundtrip_random_access(tmp_path, codec):
     spec = random_spec(codec=codec)
     lengths = [5, 17, 1, 33, 8, 12, 3]
@@ -68,7 +68,7 @@ def test_cache_roundtrip_random_access(tmp_path, codec):
     for sid in [6, 0, 3]:
         sample = cache[sid]
         assert sample.hidden.shape == (lengths[sid], 64) and sample.hidden.dtype == torch.bfloat16
-        if codec != "fp8-zstd":
+        if codec in ("bf16", "bf16-zstd"):  # the lossless ones
             assert torch.equal(sample.hidden, written[sid])
         row, _ = random_row(sid, lengths[sid], spec)
         assert sample.input_ids.tolist() == row.input_ids.tolist()

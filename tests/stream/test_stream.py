@@ -38,7 +38,7 @@ def expected(caches: CacheSet, keys: list[int]) -> dict:
     }
 
 
-@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
+@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd", "fp4", "fp4-zstd"])
 def test_loader_packs_batches_exactly_as_the_store_reads_them(tmp_path, codec):
     caches = CacheSet([cache_at(tmp_path / "c", codec=codec)])
     batches = plan_batches(list(range(len(caches))), caches.lengths, 50, seed=3)
@@ -268,7 +268,7 @@ def test_memory_source_cycles_device_batches(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd"])
+@pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd", "fp4-zstd"])
 def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
     caches = CacheSet([cache_at(tmp_path / "c", codec=codec)])
     batches = plan_batches(list(range(len(caches))), caches.lengths, 60, seed=0)
@@ -280,14 +280,15 @@ def test_gpu_loader_equals_cpu_loader(tmp_path, codec):
             assert torch.equal(a.input_ids, b.input_ids.cpu()) and torch.equal(a.cu_seqlens, b.cu_seqlens.cpu())
 
 
-@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd"])
+@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8-zstd", "fp4", "fp4-zstd"])
 def test_decompress_into_matches_the_store(codec):
-    from dflash_cache.store.codecs import PLANE_LAYOUT, compress, decompress, decompress_into, encode, encoded_size
+    from dflash_cache.store.codecs import compress, decompress, decompress_into, encode, encoded_size, plane_layout
 
     x = torch.randn(37, 3 * 16).bfloat16()
     payload = compress(encode(x, codec, 3).planes.numpy(), codec)
     size = encoded_size(codec, *x.shape)
-    out = np.zeros((PLANE_LAYOUT[codec][0], size // PLANE_LAYOUT[codec][0]), dtype=np.uint8)
+    num_planes = plane_layout(codec, x.shape[1])[0]
+    out = np.zeros((num_planes, size // num_planes), dtype=np.uint8)
     decompress_into(memoryview(payload), codec, out)
     assert np.array_equal(out.reshape(-1), decompress(payload, codec, size))
     with pytest.raises(DFlashCacheError, match="corrupt"):

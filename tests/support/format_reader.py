@@ -93,6 +93,21 @@ def decode_hidden(codec: str, payload: bytes, scales: bytes | None, tokens: int,
         s = np.frombuffer(scales, dtype="<f4").reshape(tokens, layers, 1)
         x = e4m3fn_values()[q].reshape(tokens, layers, width // layers) * s
         return float32_to_bf16(x.reshape(tokens, width))
+    elif codec in ("fp4", "fp4-zstd"):
+        per_token = width // 2 + width // 16
+        raw = (
+            payload
+            if codec == "fp4"
+            else zstandard.ZstdDecompressor().decompress(payload, max_output_size=tokens * per_token)
+        )
+        rows = np.frombuffer(raw, dtype=np.uint8).reshape(tokens, per_token)
+        packed, e = rows[:, : width // 2], rows[:, width // 2 :]
+        codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(tokens, width)
+        magnitude = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)[codes & 0x7]
+        s = np.frombuffer(scales, dtype="<f4").reshape(tokens, layers, 1)
+        step = (e4m3fn_values()[e].reshape(tokens, layers, -1) * s).reshape(tokens, -1)  # d = float32(e) * s
+        value = np.where(codes & 0x8, -magnitude, magnitude) * np.repeat(step, 16, axis=1)
+        return float32_to_bf16(value)
     else:
         raise AssertionError(f"unknown codec {codec}")
     assert words.size == n

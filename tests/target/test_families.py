@@ -12,7 +12,7 @@ from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.drafter.defaults import target_drafter_config
 from dflash_cache.extract.events import ExtractEvents
 from dflash_cache.extract.pipeline import ExtractOptions, extract
-from tests.tiny import build_target, build_tokenizer
+from tests.support.tiny import build_target, build_tokenizer
 
 TOLERANCE = 0.03
 LENGTHS = [40, 23, 57, 9, 31, 64]
@@ -119,7 +119,7 @@ def test_an_unsupported_family_is_refused_from_its_config(config, missing, tmp_p
 @pytest.mark.parametrize(("arch", "ffn"), [("qwen3_moe", 128), ("gpt_oss", 128), ("qwen3_5_moe", 2 * 32 + 32)])
 def test_the_default_drafter_of_a_mixture_of_experts_target(arch, ffn, tmp_path):
     """The dense FFN width the config gives (qwen3_moe's, gpt_oss's), else 2 experts per token of 32
-    plus a shared expert of 32 (tests/tiny.py's qwen3_5_moe)."""
+    plus a shared expert of 32 (tests/support/tiny.py's qwen3_5_moe)."""
     config = target_drafter_config(build_target(tmp_path / arch, arch, num_layers=4), [0, 1, 2, 3], mask_token_id=5)
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_dim) == (
         64,

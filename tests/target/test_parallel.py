@@ -13,8 +13,8 @@ from dflash_cache.store.manifest import spec_differences
 from dflash_cache.stream.caches import FREE_SPEC_FIELDS
 from dflash_cache.target.parallel import check_fits, group_of
 from dflash_cache.train.distributed import free_port
-from tests.test_extract import LAYERS, assert_same_cache, extract_args
-from tests.tiny import build_target, write_conversations
+from tests.support.extract import LAYERS, assert_same_cache, extract_args
+from tests.support.tiny import build_target, write_conversations
 
 TOLERANCE = 0.03  # of each layer's largest state, as in test_families.py
 
