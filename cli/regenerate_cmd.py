@@ -48,15 +48,15 @@ class Progress:
         return self.tokens / max(time.perf_counter() - self.started, 1e-9)
 
     def eta(self) -> float | None:
-        """Seconds left: the records left at the mean tokens of those done, less the tokens already
-        generated for records not done, at the rate so far. None before a record is done, or once
-        the records under way have outrun that estimate."""
+        """Seconds left: the records left at the mean tokens of those done, at the rate so far (None
+        before a record is done). Records under way count as left: their tokens so far are not known
+        apart."""
         with self._lock:
             if not self.records:
                 return None
-            left = self.record_tokens / self.records * (self.todo - self.records) - (self.tokens - self.record_tokens)
+            left = self.record_tokens / self.records * (self.todo - self.records)
         rate = self.rate()
-        return left / rate if left > 0 and rate > 0 else None
+        return left / rate if rate > 0 else None
 
     def postfix(self, elapsed: bool = False) -> str:
         eta = self.eta()

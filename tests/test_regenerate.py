@@ -275,6 +275,31 @@ def test_servers_of_different_models_are_refused(tmp_path, servers):
         regenerate(RegenerateOptions(data=[data], out=tmp_path / "out.jsonl", servers=[a.url, b.url], concurrency=2))
 
 
+def test_progress_counts_tokens_as_they_come_and_estimates_the_time_left(monkeypatch):
+    """Tokens move the line before any record is done; the ETA is the records left at the mean
+    tokens of those done, at the rate so far."""
+    from dflash_cache.regenerate.run import RecordDone
+    from dflash_cache_cli import regenerate_cmd
+
+    now = [100.0]
+    monkeypatch.setattr(regenerate_cmd.time, "perf_counter", lambda: now[0])
+    progress = regenerate_cmd.Progress(todo=4, done=0)
+    try:
+        progress.generated(50)
+        now[0] = 110.0
+        assert progress.line() == "regenerate: 0/4 records, 50 tokens, 5 tokens/s, 0:00:10 elapsed, ETA unknown"
+        progress.update(RecordDone("a:1", 40, ["stop"]))
+        progress.generated(30)
+        now[0] = 120.0  # 80 tokens in 20 s; 3 records left at 40 tokens: 120 tokens, 30 s
+        assert progress.line() == "regenerate: 1/4 records, 80 tokens, 4 tokens/s, 0:00:20 elapsed, ETA 0:00:30"
+        progress.generated(100)
+        progress.update(RecordDone("a:2", 100, ["length"]))
+        now[0] = 130.0  # 180 tokens in 30 s; 2 records left at 70 tokens: 140 tokens, 23 s
+        assert progress.line() == "regenerate: 2/4 records, 180 tokens, 6 tokens/s, 0:00:30 elapsed, ETA 0:00:23"
+    finally:
+        progress.close()
+
+
 def test_cli_names_a_server_that_is_down_and_prints_a_summary(tmp_path, servers):
     data = write_jsonl(tmp_path / "data.jsonl", [conversation("q", "old")])
     runner = CliRunner()

@@ -15,14 +15,20 @@ from torch import nn
 from dflash_cache.target.kvcache import cache_kwargs, returned_cache
 
 
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one batch padded on the left to the longest, and its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 class Cohort:
     @torch.inference_mode()
     def __init__(self, model: nn.Module, prompts: list[list[int]], pad_id: int, max_new: int, stops: set[int]):
         self.model, self.max_new, self.stops = model, max_new, stops
         device = next(model.parameters()).device
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        ids, self.mask = left_padded(prompts, pad_id, device)
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.rows: list[list[int]] = [[] for _ in prompts]
         self.alive = torch.arange(len(prompts), device=device)  # index in `prompts` of each row still in the batch

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.regenerate.client import RequestFailed
-from dflash_cache.regenerate.cohort import Cohort
+from dflash_cache.regenerate.cohort import Cohort, left_padded
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 from dflash_cache.target.info import read_target_info
@@ -144,14 +144,14 @@ class _Replica:
                     done(i, generated)
             return [completions[i] for i in sorted(completions)]
         config, stops = self.config(settings)
-        width = max(len(p) for p in prompts)
+        ids, mask = left_padded(prompts, config.pad_token_id, self.device)
         output = self.model.generate(
-            input_ids=torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device),
-            attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device),
+            input_ids=ids,
+            attention_mask=mask,
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]),
         )
-        for i, row in enumerate(output[:, width:].tolist()):
+        for i, row in enumerate(output[:, ids.shape[1] :].tolist()):
             done(i, _until(row, stops))
         return [completions[i] for i in sorted(completions)]
 
