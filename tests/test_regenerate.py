@@ -173,6 +173,7 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     records[0]["id"] = 40  # a record's own id is written with its answer
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "out.jsonl"
+    reported = []  # a server's tokens are known with each answer: one report an answer
     summary = regenerate(
         RegenerateOptions(
             data=[data],
@@ -181,9 +182,11 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
             concurrency=4,
             settings=GenerationSettings(max_tokens=16),
             retry=FAST,
-        )
+        ),
+        on_tokens=reported.append,
     )
     assert (summary.records, summary.turns, summary.tokens, summary.finish_reasons) == (13, 14, 42, {"stop": 14})
+    assert sorted(reported) == [3] * 14
     assert a.requests and b.requests and len(a.requests) + len(b.requests) == 14
     assert max(a.max_in_flight, b.max_in_flight) >= 2
     assert a.requests[0]["model"] == "scripted" and a.requests[0]["max_tokens"] == 16
