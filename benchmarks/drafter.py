@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.profiling import profile_run
+from dflash_cache.choices import DEFAULT_LOSS
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
@@ -131,7 +132,7 @@ def train_step(
 ) -> torch.Tensor:
     """One step as `dflash-cache train` runs it: bf16 autocast, backward, clipping at 1.0, AdamW; the loss."""
     with torch.autocast(device, dtype=torch.bfloat16):
-        out = runner(batch, anchors)
+        out = runner(batch, anchors, loss=DEFAULT_LOSS)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)

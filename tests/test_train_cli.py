@@ -158,18 +158,20 @@ def test_options_out_of_range(tmp_path, setup, extra, needle):
 
 def test_each_loss_trains_and_a_run_resumes_only_with_its_own(tmp_path, setup):
     """--loss reaches the objective (the first step's loss differs by loss, on the same batch and weights),
-    and is part of the run's identity; topk reads the top-K labels of a cache extracted with them."""
+    dpace when left out, and is part of the run's identity; topk reads the top-K labels of a cache
+    extracted with them."""
     _, drafter = setup
     topk_cache = make_cache(tmp_path / "cache", topk=4)
     first = {}
-    for loss in ("dflash", "dpace", "topk"):
+    for loss in ("dflash", "dpace", "topk", None):
         out = tmp_path / f"run-{loss}"
-        code, text = run(*options(topk_cache, drafter, out, "--loss", loss, "--steps", 1))
+        code, text = run(*options(topk_cache, drafter, out, *(["--loss", loss] if loss else []), "--steps", 1))
         assert code == 0, text
         first[loss] = losses(out)[0]
-    assert len(set(first.values())) == 3, first
+    assert len({first[loss] for loss in ("dflash", "dpace", "topk")}) == 3, first
+    assert first[None] == first["dpace"], first
     one_line_error(
-        *run(*options(topk_cache, drafter, tmp_path / "run-dpace", "--steps", 1, "--resume")),
+        *run(*options(topk_cache, drafter, tmp_path / "run-dflash", "--steps", 1, "--resume")),
         "different config",
         "loss",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.choices import DPACE_ALPHA, LAYER_RULE, LOSSES
+from dflash_cache.choices import DEFAULT_LOSS, DPACE_ALPHA, LAYER_RULE, LOSSES
 from dflash_cache.console.options import option
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
@@ -133,7 +133,7 @@ class TrainConfig:
         ),
     )
     loss: str = field(
-        default=LOSSES[0],
+        default=DEFAULT_LOSS,
         metadata=option(
             "Training objective. dflash: cross-entropy against the labels, slot k weighted exp(-(k-1)/gamma). "
             "dpace: the same cross-entropy weighted by D-PACE's confidence-derived slot weights (see "
@@ -385,7 +385,7 @@ class TrainConfig:
             kept["anchors_per_batch"] = self.anchors_per_batch
         if self.follow:  # likewise
             kept["follow"] = True
-        if self.loss != LOSSES[0]:  # likewise
+        if self.loss != LOSSES[0]:  # likewise: the runs that record no loss trained with LOSSES[0]
             kept["loss"] = self.loss
             if self.loss == "dpace":
                 kept["dpace_alpha"] = self.dpace_alpha
