@@ -7,47 +7,74 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from dflash_cache.console.progress import duration
 from dflash_cache.console.terminate import sigterm_raises
 from dflash_cache.regenerate.run import RecordDone, RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import REASONING, TURNS, GenerationSettings
 from dflash_cache_cli.options import INT_LIST
 
 LOG_EVERY_S = 30.0  # a plain progress line this often when stderr is not a terminal
+REFRESH_S = 1.0  # the bar's token count redrawn this often between records
+# tqdm's own ETA is from records a second: wrong while long answers run, so the postfix carries ours.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} records [{elapsed}{postfix}]"
 
 
 class Progress:
-    """A bar on a terminal; otherwise one line every LOG_EVERY_S seconds, for logs."""
+    """A bar on a terminal; otherwise one line every LOG_EVERY_S seconds, for logs. Both count the
+    tokens as the target reports them (the in-process target each step, a server with each answer),
+    so they move while long answers run."""
 
     def __init__(self, todo: int, done: int):
-        self.todo, self.records, self.tokens = todo, 0, 0
+        self.todo, self.records, self.tokens, self.record_tokens = todo, 0, 0, 0
         self.started = time.perf_counter()
+        self._lock = threading.Lock()  # tokens come from the target's threads
         click.echo(f"to regenerate: {todo} records ({done} already in the output)", err=True)
-        self.bar = tqdm(total=todo, unit="rec", desc="regenerate", dynamic_ncols=True, disable=None, file=sys.stderr)
+        self.bar = tqdm(total=todo, desc="regenerate", bar_format=BAR_FORMAT, disable=None, file=sys.stderr)
         self._stop = threading.Event()
-        if self.bar.disable:
-            threading.Thread(target=self._log, daemon=True).start()
+        threading.Thread(target=self._tick, daemon=True).start()
+
+    def generated(self, tokens: int) -> None:
+        with self._lock:
+            self.tokens += tokens
 
     def update(self, record: RecordDone) -> None:
-        self.records += 1
-        self.tokens += record.tokens
-        self.bar.set_postfix_str(f"{self.rate():,.0f} tok/s", refresh=False)
+        with self._lock:
+            self.records += 1
+            self.record_tokens += record.tokens
+        self.bar.set_postfix_str(self.postfix(), refresh=False)
         self.bar.update(1)
 
     def rate(self) -> float:
         return self.tokens / max(time.perf_counter() - self.started, 1e-9)
 
-    def line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / self.records * (self.todo - self.records) if self.records else None
-        eta_text = f", ETA {eta:,.0f} s" if eta is not None else ""
-        return (
-            f"regenerate: {self.records}/{self.todo} records, {self.tokens:,} tokens, "
-            f"{self.rate():,.0f} tokens/s{eta_text}"
-        )
+    def eta(self) -> float | None:
+        """Seconds left: the records left at the mean tokens of those done, at the rate so far (None
+        before a record is done). Records under way count as left: their tokens so far are not known
+        apart."""
+        with self._lock:
+            if not self.records:
+                return None
+            left = self.record_tokens / self.records * (self.todo - self.records)
+        rate = self.rate()
+        return left / rate if rate > 0 else None
 
-    def _log(self) -> None:
-        while not self._stop.wait(LOG_EVERY_S):
-            click.echo(self.line(), err=True)
+    def postfix(self, elapsed: bool = False) -> str:
+        eta = self.eta()
+        parts = [f"{self.tokens:,} tokens", f"{self.rate():,.0f} tokens/s"]
+        if elapsed:
+            parts.append(f"{duration(time.perf_counter() - self.started)} elapsed")
+        parts.append(f"ETA {duration(eta) if eta is not None else 'unknown'}")
+        return ", ".join(parts)
+
+    def line(self) -> str:
+        return f"regenerate: {self.records}/{self.todo} records, {self.postfix(elapsed=True)}"
+
+    def _tick(self) -> None:
+        while not self._stop.wait(LOG_EVERY_S if self.bar.disable else REFRESH_S):
+            if self.bar.disable:
+                click.echo(self.line(), err=True)
+            else:
+                self.bar.set_postfix_str(self.postfix())
 
     def close(self) -> None:
         self._stop.set()
@@ -175,6 +202,7 @@ def command(
                 opts,
                 on_start=lambda todo, done: progress.append(Progress(todo, done)) if todo else None,
                 on_record=lambda record: progress[0].update(record),
+                on_tokens=lambda tokens: progress[0].generated(tokens),
             )
     finally:
         for p in progress:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -59,7 +60,9 @@ class ServerPool:
         retry: RetryPolicy = RetryPolicy(),
         stopping: threading.Event | None = None,
         limits: AnswerLimits | None = None,
+        on_tokens: Callable[[int], None] = lambda n: None,
     ):
+        """`on_tokens(n)` with the tokens of each answer as it arrives (a server tells no sooner)."""
         if not urls:
             raise DFlashCacheError("give at least one --server")
         self.urls = [api_base(url) for url in urls]
@@ -68,6 +71,7 @@ class ServerPool:
         self.retry = retry
         self.limits = limits or AnswerLimits()
         self.stopping = stopping or threading.Event()
+        self.on_tokens = on_tokens
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
         self._http = httpx.Client(timeout=TIMEOUT, limits=limits)
         self._models: dict[str, str | None] = {}
@@ -109,7 +113,9 @@ class ServerPool:
                     continue
                 if status != 200:
                     raise RequestFailed(_hide(f"{url} refused the request: HTTP {status} {_detail(text)}", url))
-                return read_answer(text)
+                completion = read_answer(text)
+                self.on_tokens(completion.completion_tokens)
+                return completion
             except httpx.HTTPError as e:
                 errors.append(_hide(f"{url}: {_reason(e)}", url))
             except BadAnswer as e:

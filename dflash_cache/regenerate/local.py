@@ -1,16 +1,17 @@
 """The target in-process, through transformers: for small jobs and tests.
 
 One replica per device (`--gpus`, or the CPU), each answering requests from a shared queue on its
-own thread. A replica takes every request waiting (up to `MAX_BATCH`) and generates them together:
-prompts of like length are grouped and left-padded, the attention mask and position ids leaving
-each row's answer the one that row would get alone. Greedy decoding drops each row from the batch
-as it finishes (sampling, and greedy decoding under a generation config that adjusts the logits,
-run through `generate`, whose batch keeps every row to the end). A request
-is rendered and generated the way `transformers serve` does it: the chat template with the
-generation prompt and the model's own generation config (greedy at temperature 0, its end-of-turn
-token). The reply is split into content, reasoning and tool calls by the tokenizer's response
-template where it has one; otherwise a leading `<think>...</think>` block, where the vocabulary has
-those tokens, is the reasoning and the rest the content.
+own thread. Greedy requests are batched continuously: a replica steps its cohorts (cohort.py: a
+left-padded batch with its own cache, each row's answer the one it would get alone) in turn, a
+token each, and starts a new cohort from the requests waiting as soon as rows that finished leave
+room, so a long answer no longer holds back the requests behind it. Sampling, and greedy decoding
+under a generation config that adjusts the logits, run through `generate`, a batch at a time, whose
+batch keeps every row to the end. A request is rendered and generated the way `transformers serve`
+does it: the chat template with the generation prompt and the model's own generation config
+(greedy at temperature 0, its end-of-turn token). The reply is split into content, reasoning and
+tool calls by the tokenizer's response template where it has one; otherwise a leading
+`<think>...</think>` block, where the vocabulary has those tokens, is the reasoning and the rest the
+content.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from dflash_cache.errors import DFlashCacheError, first_line
 from dflash_cache.regenerate.client import RequestFailed
+from dflash_cache.regenerate.cohort import Cohort, left_padded
 from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 from dflash_cache.target.info import read_target_info
-from dflash_cache.target.kvcache import cache_kwargs, returned_cache
 from dflash_cache.target.loading_bars import no_loading_bars
 
 MAX_BATCH = 16  # conversations generated together by one replica
@@ -92,15 +93,8 @@ class _Replica:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True, **settings.template_kwargs()
         )["input_ids"]
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        settings: GenerationSettings,
-        model_name: str,
-        on_answer: Callable[[int, Completion], None] = lambda i, completion: None,
-    ) -> list[Completion]:
-        """Every prompt answered, as one left-padded batch; `on_answer(i, completion)` as soon as prompt i's is."""
+    def config(self, settings: GenerationSettings) -> tuple[GenerationConfig, set[int]]:
+        """The model's own generation config under `settings`, and its end-of-turn tokens."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = settings.max_tokens
         config.do_sample = settings.temperature > 0
@@ -109,73 +103,57 @@ class _Replica:
         stops = _ids(config.eos_token_id) | _ids(self.tokenizer.eos_token_id)
         if config.pad_token_id is None:
             config.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(stops)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        return config, stops
+
+    def greedy(self, settings: GenerationSettings) -> bool:
+        """Whether `settings` is greedy decoding of the logits as they are: what a cohort does."""
+        config, _ = self.config(settings)
+        return not config.do_sample and _plain_greedy(config)
+
+    def cohort(self, prompts: list[list[int]], settings: GenerationSettings) -> Cohort:
+        config, stops = self.config(settings)
+        return Cohort(self.model, prompts, config.pad_token_id, settings.max_tokens, stops)
+
+    def completion(
+        self, generated: list[int], prompt: list[int], settings: GenerationSettings, model_name: str
+    ) -> Completion:
+        content, reasoning, tool_calls = self._parse(generated, prompt)
+        finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
+        return Completion(content, reasoning, tool_calls, finish, len(generated), model_name)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        settings: GenerationSettings,
+        model_name: str,
+        on_answer: Callable[[int, Completion], None] = lambda i, completion: None,
+    ) -> list[Completion]:
+        """Every prompt answered, as one left-padded batch; `on_answer(i, completion)` as soon as prompt i's is.
+        A stopped run hands over nothing more."""
         completions: dict[int, Completion] = {}
 
         def done(i: int, generated: list[int]) -> None:
-            content, reasoning, tool_calls = self._parse(generated, prompts[i])
-            finish = "tool_calls" if tool_calls else "length" if len(generated) >= settings.max_tokens else "stop"
-            completions[i] = Completion(content, reasoning, tool_calls, finish, len(generated), model_name)
+            completions[i] = self.completion(generated, prompts[i], settings, model_name)
             on_answer(i, completions[i])
 
-        if config.do_sample or not _plain_greedy(config):
-            output = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]),
-            )
-            for i, row in enumerate(output[:, width:].tolist()):
-                done(i, _until(row, stops))
-        else:
-            self._greedy(ids, mask, settings.max_tokens, stops, done)
+        if self.greedy(settings):
+            cohort = self.cohort(prompts, settings)
+            while cohort.size and not self.stop.is_set():
+                for i, generated in cohort.step():
+                    done(i, generated)
+            return [completions[i] for i in sorted(completions)]
+        config, stops = self.config(settings)
+        ids, mask = left_padded(prompts, config.pad_token_id, self.device)
+        output = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([_Stopped(self.stop)]),
+        )
+        for i, row in enumerate(output[:, ids.shape[1] :].tolist()):
+            done(i, _until(row, stops))
         return [completions[i] for i in sorted(completions)]
-
-    def _greedy(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        max_new: int,
-        stops: set[int],
-        done: Callable[[int, list[int]], None],
-    ) -> None:
-        """Greedy decoding as `generate` does it (positions counted from each row's first real token,
-        padding masked out), except that a row that has finished leaves the batch and its cache, and
-        is handed to `done(row, tokens)` at once: the others no longer wait on the longest answer's
-        steps at the full batch size. A stopped run hands over nothing more."""
-        rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
-        alive = torch.arange(ids.shape[0], device=ids.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = returned_cache(out)
-        while True:
-            tokens = out.logits[:, -1].argmax(-1)
-            keep = []
-            if self.stop.is_set():
-                return
-            for i, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist())):
-                rows[row].append(token)
-                if token not in stops and len(rows[row]) < max_new:
-                    keep.append(i)
-                else:
-                    done(row, rows[row])
-            if not keep:
-                return
-            if len(keep) < len(alive):
-                kept = torch.tensor(keep, device=ids.device)
-                cache.batch_select_indices(kept)
-                alive, tokens, mask, positions = alive[kept], tokens[kept], mask[kept], positions[kept]
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                logits_to_keep=1,
-                **cache_kwargs(self.model, cache),
-            )
 
     def _parse(self, generated: list[int], prompt: list[int]) -> tuple[str, str | None, list[dict] | None]:
         template = getattr(self.tokenizer, "response_template", None)
@@ -226,10 +204,24 @@ def _ids(value) -> set[int]:
     return {int(v) for v in values if v is not None}
 
 
+@dataclass
+class _Running:
+    cohort: Cohort
+    requests: list[tuple[_Request, list[int]]]  # with its prompt, by the cohort's row index
+
+
 class LocalTarget:
-    def __init__(self, path: str | Path, devices: list[str], max_batch: int = MAX_BATCH):
+    def __init__(
+        self,
+        path: str | Path,
+        devices: list[str],
+        max_batch: int = MAX_BATCH,
+        on_tokens: Callable[[int], None] = lambda n: None,
+    ):
+        """`on_tokens(n)` from a replica's thread each time it has generated n more tokens."""
         self.name = str(path)
         self.max_batch = max_batch
+        self.on_tokens = on_tokens
         info = read_target_info(path)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -241,16 +233,17 @@ class LocalTarget:
         for thread in self._threads:
             thread.start()
 
-    def _take(self) -> list[_Request] | None:
-        """The next request and every other one arriving within GATHER_S of the last, up to max_batch;
-        None at the end."""
-        first = self._queue.get()
-        if first is None:
-            return None
-        taken = [first]
-        while len(taken) < self.max_batch:
+    def _take(self, room: int, wait: bool) -> list[_Request] | None:
+        """Up to `room` requests: with `wait`, the next one and every other one arriving within GATHER_S
+        of the last; without, those waiting now (maybe none). None at the end."""
+        taken = []
+        if wait:
+            if (first := self._queue.get()) is None:
+                return None
+            taken.append(first)
+        while len(taken) < room:
             try:
-                item = self._queue.get(timeout=GATHER_S)
+                item = self._queue.get(timeout=GATHER_S) if wait else self._queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:  # an end mark for a replica: left for the next take
@@ -260,37 +253,73 @@ class LocalTarget:
         return taken
 
     def _serve(self, replica: _Replica) -> None:
-        while (taken := self._take()) is not None:
-            ready = []
-            for request in taken:
-                try:
-                    ready.append((request, replica.prompt(request.messages, request.settings)))
-                except (DFlashCacheError, ValueError, TypeError, RuntimeError) as e:  # this conversation's problem
-                    request.future.set_exception(
-                        RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}")
-                    )
-            ready.sort(key=lambda pair: len(pair[1]))  # like lengths together: less padding
-            for start in range(0, len(ready), self.max_batch):
-                self._answer(replica, ready[start : start + self.max_batch])
+        running: list[_Running] = []
+        try:
+            self._loop(replica, running)
+            error: BaseException = RequestFailed(f"{replica.device}: the run was stopped")
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting requests, never lost with the thread
+            error = _failure(replica.device, e)
+        for cohort in running:
+            _fail(cohort.requests, error)
+
+    def _loop(self, replica: _Replica, running: list[_Running]) -> None:
+        """Continuous batching: the cohorts stepped in turn, a token each, and a new cohort started from
+        the requests waiting whenever it can be half a batch (each cohort costs a forward a step), or
+        whenever none runs."""
+        while not self._stop.is_set():
+            room = self.max_batch - sum(r.cohort.size for r in running)
+            if not running or room >= max(1, self.max_batch // 2):
+                taken = self._take(room, wait=not running)
+                if taken is None:
+                    return
+                self._start(replica, taken, running)
+            running[:] = [r for r in running if self._step(replica, r)]
+
+    def _start(self, replica: _Replica, taken: list[_Request], running: list[_Running]) -> None:
+        ready = []
+        for request in taken:
+            try:
+                ready.append((request, replica.prompt(request.messages, request.settings)))
+            except (DFlashCacheError, ValueError, TypeError, RuntimeError) as e:  # this conversation's problem
+                request.future.set_exception(_failure(replica.device, e))
+        if not ready:
+            return
+        settings = ready[0][0].settings
+        if not replica.greedy(settings):  # through `generate`, the whole batch at once
+            return self._answer(replica, ready)
+        try:
+            running.append(_Running(replica.cohort([prompt for _, prompt in ready], settings), ready))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting requests, never lost with the thread
+            _fail(ready, _failure(replica.device, e))
+
+    def _step(self, replica: _Replica, running: _Running) -> bool:
+        """A token for each row of the cohort, its finished rows answered; whether rows are left."""
+        try:
+            generating = running.cohort.size
+            finished = running.cohort.step()
+            self.on_tokens(generating)
+            for i, generated in finished:
+                request, prompt = running.requests[i]
+                completion = replica.completion(generated, prompt, request.settings, self.name)
+                if not self._stop.is_set():
+                    request.future.set_result(completion)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting requests, never lost with the thread
+            _fail(running.requests, _failure(replica.device, e))
+            return False
+        return running.cohort.size > 0
 
     def _answer(self, replica: _Replica, batch: list[tuple[_Request, list[int]]]) -> None:
+        def answer(i: int, completion: Completion) -> None:
+            self.on_tokens(completion.completion_tokens)
+            if not self._stop.is_set():
+                batch[i][0].future.set_result(completion)
+
         try:
-            if self._stop.is_set():
-                raise RequestFailed(f"{replica.device}: the run was stopped")
-
-            def answer(i: int, completion: Completion) -> None:
-                if not self._stop.is_set():
-                    batch[i][0].future.set_result(completion)
-
             replica.generate([prompt for _, prompt in batch], batch[0][0].settings, self.name, answer)
             if self._stop.is_set():  # cut short: not an answer
                 raise RequestFailed(f"{replica.device}: the run was stopped")
-        except RequestFailed as e:
-            return _fail(batch, e)
-        except (DFlashCacheError, ValueError, TypeError, RuntimeError) as e:
-            return _fail(batch, RequestFailed(f"{replica.device}: {type(e).__name__}: {first_line(e)}"))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting requests, never lost with the thread
-            return _fail(batch, e)
+            _fail(batch, _failure(replica.device, e))
 
     def complete(self, messages: list[dict], settings: GenerationSettings, lane: int) -> Completion:
         future: Future = Future()
@@ -305,6 +334,14 @@ class LocalTarget:
             self._queue.put(None)
         for thread in self._threads:
             thread.join()
+
+
+def _failure(device: str, error: BaseException) -> BaseException:
+    """What the requests of a failed generation are told: one line naming the device, for the errors
+    a conversation or the model can cause; anything else as it is."""
+    if isinstance(error, (DFlashCacheError, ValueError, TypeError, RuntimeError)):
+        return RequestFailed(f"{device}: {type(error).__name__}: {first_line(error)}")
+    return error
 
 
 def _fail(batch: list[tuple[_Request, list[int]]], error: BaseException) -> None:

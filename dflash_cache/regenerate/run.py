@@ -89,23 +89,26 @@ def _check(opts: RegenerateOptions) -> None:
         raise DFlashCacheError(f"--out {opts.out} is also a --data file; write the responses to a new file")
 
 
-def _backend(opts: RegenerateOptions, stopping: threading.Event):
+def _backend(opts: RegenerateOptions, stopping: threading.Event, on_tokens: Callable[[int], None]):
     if opts.servers:
-        pool = ServerPool(opts.servers, opts.concurrency, opts.retry, stopping, opts.limits)
+        pool = ServerPool(opts.servers, opts.concurrency, opts.retry, stopping, opts.limits, on_tokens)
         pool.probe()
         return pool
     from dflash_cache.regenerate.local import LocalTarget  # loads torch models: only when asked for
     from dflash_cache.train.distributed import plan_devices
 
-    return LocalTarget(opts.target, plan_devices(opts.gpus, 0))
+    return LocalTarget(opts.target, plan_devices(opts.gpus, 0), on_tokens=on_tokens)
 
 
 def regenerate(
     opts: RegenerateOptions,
     on_start: Callable[[int, int], None] = lambda todo, done: None,
     on_record: Callable[[RecordDone], None] = lambda record: None,
+    on_tokens: Callable[[int], None] = lambda n: None,
 ) -> RegenerateSummary:
-    """Regenerate what the output lacks; `on_start(records to do, records already done)`."""
+    """Regenerate what the output lacks; `on_start(records to do, records already done)`, `on_tokens(n)`
+    from any thread as n more tokens are generated (by the in-process target as it generates them, by
+    a server with each answer)."""
     started = time.perf_counter()
     _check(opts)
     sources = [
@@ -119,7 +122,7 @@ def regenerate(
         on_start(todo, summary.already_done)
         if todo:
             stopping = threading.Event()
-            backend = _backend(opts, stopping)
+            backend = _backend(opts, stopping, on_tokens)
             try:
                 _Lanes(opts, out, backend, stopping, min(opts.concurrency, todo)).run(summary, on_record)
             finally:

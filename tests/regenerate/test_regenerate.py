@@ -173,6 +173,7 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
     records[0]["id"] = 40  # a record's own id is written with its answer
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "out.jsonl"
+    reported = []  # a server's tokens are known with each answer: one report an answer
     summary = regenerate(
         RegenerateOptions(
             data=[data],
@@ -181,9 +182,11 @@ def test_servers_split_the_work_with_requests_in_flight(tmp_path, servers):
             concurrency=4,
             settings=GenerationSettings(max_tokens=16),
             retry=FAST,
-        )
+        ),
+        on_tokens=reported.append,
     )
     assert (summary.records, summary.turns, summary.tokens, summary.finish_reasons) == (13, 14, 42, {"stop": 14})
+    assert sorted(reported) == [3] * 14
     assert a.requests and b.requests and len(a.requests) + len(b.requests) == 14
     assert max(a.max_in_flight, b.max_in_flight) >= 2
     assert a.requests[0]["model"] == "scripted" and a.requests[0]["max_tokens"] == 16
@@ -273,6 +276,31 @@ def test_servers_of_different_models_are_refused(tmp_path, servers):
     data = write_jsonl(tmp_path / "data.jsonl", [conversation(f"q{i}", "old") for i in range(6)])
     with pytest.raises(DFlashCacheError, match="every --server must serve the same model"):
         regenerate(RegenerateOptions(data=[data], out=tmp_path / "out.jsonl", servers=[a.url, b.url], concurrency=2))
+
+
+def test_progress_counts_tokens_as_they_come_and_estimates_the_time_left(monkeypatch):
+    """Tokens move the line before any record is done; the ETA is the records left at the mean
+    tokens of those done, at the rate so far."""
+    from dflash_cache.regenerate.run import RecordDone
+    from dflash_cache_cli import regenerate_cmd
+
+    now = [100.0]
+    monkeypatch.setattr(regenerate_cmd.time, "perf_counter", lambda: now[0])
+    progress = regenerate_cmd.Progress(todo=4, done=0)
+    try:
+        progress.generated(50)
+        now[0] = 110.0
+        assert progress.line() == "regenerate: 0/4 records, 50 tokens, 5 tokens/s, 0:00:10 elapsed, ETA unknown"
+        progress.update(RecordDone("a:1", 40, ["stop"]))
+        progress.generated(30)
+        now[0] = 120.0  # 80 tokens in 20 s; 3 records left at 40 tokens: 120 tokens, 30 s
+        assert progress.line() == "regenerate: 1/4 records, 80 tokens, 4 tokens/s, 0:00:20 elapsed, ETA 0:00:30"
+        progress.generated(100)
+        progress.update(RecordDone("a:2", 100, ["length"]))
+        now[0] = 130.0  # 180 tokens in 30 s; 2 records left at 70 tokens: 140 tokens, 23 s
+        assert progress.line() == "regenerate: 2/4 records, 180 tokens, 6 tokens/s, 0:00:30 elapsed, ETA 0:00:23"
+    finally:
+        progress.close()
 
 
 def test_cli_names_a_server_that_is_down_and_prints_a_summary(tmp_path, servers):
@@ -385,11 +413,11 @@ def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_
     from dflash_cache.regenerate import local
 
     batches = []
-    generate = local._Replica.generate
+    cohort = local._Replica.cohort
     monkeypatch.setattr(
         local._Replica,
-        "generate",
-        lambda self, prompts, *a: batches.append(len(prompts)) or generate(self, prompts, *a),
+        "cohort",
+        lambda self, prompts, *a: batches.append(len(prompts)) or cohort(self, prompts, *a),
     )
     records = [{"messages": r["messages"][:2]} for r in _bundled([1, 2, 3, 4, 5, 6, 7])]
     records[2] = {"messages": records[2]["messages"][:1]}  # prompt only
@@ -443,6 +471,62 @@ def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
     assert [a.content for a in replica.generate(prompts, GenerationSettings(max_tokens=16), "m")] == [
         tokenizer.decode(e, skip_special_tokens=True) for e in penalised
     ]
+
+
+def test_requests_arriving_while_a_long_answer_runs_start_at_once_and_answer_as_alone():
+    """Continuous batching: prompts sent while a long answer is being generated are answered before
+    it ends (they no longer wait for the whole batch), each answer the target's own greedy `generate`
+    of that prompt alone; the tokens are reported as they are generated, not only with the answers."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_cache.regenerate.local import LocalTarget
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    records = _bundled([1, 2, 3])
+    prompts = [r["messages"][:1] for r in records]
+
+    def alone(messages, max_new_tokens):
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        ids = model.generate(**prompt, do_sample=False, max_new_tokens=max_new_tokens)
+        return ids[0, prompt["input_ids"].shape[1] :].tolist()
+
+    reports: list[int] = []
+    long, short = GenerationSettings(max_tokens=300), GenerationSettings(max_tokens=6)
+    pool = ThreadPoolExecutor(3)
+    later: list = []
+    sent = threading.Event()
+
+    def on_tokens(n: int) -> None:  # on the replica's thread, between two steps of the long answer
+        reports.append(n)
+        if not later:  # the later prompts sent, and waiting, before the long answer's next step
+            later.extend(pool.submit(target.complete, p, short, lane) for lane, p in enumerate(prompts[1:], start=1))
+            deadline = time.monotonic() + 30
+            while target._queue.qsize() < len(later) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sent.set()
+
+    target = LocalTarget(TARGET, ["cpu"], max_batch=4, on_tokens=on_tokens)
+    try:
+        first = pool.submit(target.complete, prompts[0], long, 0)
+        assert sent.wait(60)
+        answers = [f.result(timeout=120) for f in [first, *later]]
+    finally:
+        target.close()
+        pool.shutdown()
+    expected = [alone(prompts[0], 300)] + [alone(p, 6) for p in prompts[1:]]
+    assert len(expected[0]) > 12 and all(len(e) == 6 for e in expected[1:])
+    assert [a.completion_tokens for a in answers] == [len(e) for e in expected]
+    assert [a.content for a in answers] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+    # One report per cohort and step: 1 for the long answer's cohort, 2 for the later pair's.
+    last_pair = max(i for i, n in enumerate(reports) if n == 2)
+    assert sum(reports[last_pair + 1 :]) > 0  # the long answer was still being generated when the pair ended
+    assert sum(reports) == sum(map(len, expected))
 
 
 @pytest.mark.slow
