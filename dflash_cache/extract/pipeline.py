@@ -136,15 +136,7 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
     batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
-    group = None
-    if dist is None:
-        devices = _devices(opts.gpus)
-        rank_ids, world = list(range(len(devices))), len(devices)
-    else:
-        rank, world, local = dist
-        devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
-        group = group_of(rank, world, opts.tp) if opts.tp > 1 else None
-        rank_ids, world = ([rank], world) if group is None else ([0], 1)  # a group is one rank
+    devices, rank_ids, world, group = _launch(opts, dist)
     writes = group is None or group.writes  # the other processes of a group compute beside its writer
     if torch.device(devices[0]).type == "cuda":
         check_fits(parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
@@ -163,11 +155,7 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         resumed = _resume(cache, spec, data, rank_ids, dist is None, group, devices[0], events)
         left = len(data.sample_ids) - resumed.done.count()
         tokens_left = int(data.lengths.sum()) - resumed.done.total(data.lengths)
-        if cache.remote is None:  # a remote cache's staging folder holds a few shards at a time
-            need = disk_need(cache.root, tokens_left, spec)
-            if opts.check_disk:
-                check_disk(need, opts.codec)
-            events.note(need.describe(opts.codec))
+        _check_disk(opts, cache, tokens_left, spec, events)
         events.plan(left, tokens_left, f"{layout.describe()}: {batching.reason}")
         complete = not left and resumed.target_files_done
         if complete:
@@ -196,6 +184,29 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         manifest=manifest,
         beside_writer=not writes,
     )
+
+
+def _launch(opts: ExtractOptions, dist: tuple[int, int, int] | None) -> tuple[list[str], list[int], int, Group | None]:
+    """This process's devices, the rank ids it runs, the number of ranks, and its tensor-parallel group."""
+    if dist is None:
+        devices = _devices(opts.gpus)
+        return devices, list(range(len(devices))), len(devices), None
+    rank, world, local = dist
+    devices = [f"cuda:{local}" if torch.cuda.is_available() else "cpu"]
+    if opts.tp <= 1:
+        return devices, [rank], world, None
+    return devices, [0], 1, group_of(rank, world, opts.tp)  # a group is one rank
+
+
+def _check_disk(
+    opts: ExtractOptions, cache: WritableCache, tokens_left: int, spec: dict, events: ExtractEvents
+) -> None:
+    if cache.remote is not None:  # a remote cache's staging folder holds a few shards at a time
+        return
+    need = disk_need(cache.root, tokens_left, spec)
+    if opts.check_disk:
+        check_disk(need, opts.codec)
+    events.note(need.describe(opts.codec))
 
 
 def _start_warmup(opts: ExtractOptions, info: TargetInfo, batching: Batching, budget: int, device: str):
