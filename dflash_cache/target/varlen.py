@@ -58,27 +58,28 @@ def varlen_attention(
         )
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed attention takes one row and no attention mask")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if query.is_cuda:
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window)
-    else:
-        bounds = cu_seq_lens_cpu.tolist()
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1),
-                    k[s:e].transpose(0, 1),
-                    v[s:e].transpose(0, 1),
-                    attn_mask=None if sliding_window is None else _window_mask(e - s, sliding_window, q.device),
-                    is_causal=sliding_window is None,
-                    scale=scaling,
-                ).transpose(0, 1)
-                for s, e in zip(bounds, bounds[1:])
-            ]
-        )
-    return out.unsqueeze(0), None
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+        return _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window).unsqueeze(0), None
+    # Four-dimensional slices: SDPA takes its fused CPU kernel for these (three-dimensional ones fell
+    # back to the unfused math, several times slower).
+    bounds = cu_seq_lens_cpu.tolist()
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                query[:, :, s:e],
+                key[:, :, s:e],
+                value[:, :, s:e],
+                attn_mask=None if sliding_window is None else _window_mask(e - s, sliding_window, query.device),
+                is_causal=sliding_window is None,
+                scale=scaling,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
+            for s, e in zip(bounds, bounds[1:])
+        ],
+        dim=2,
+    )
+    return out.transpose(1, 2), None
 
 
 def _window_mask(length: int, window: int, device) -> torch.Tensor:
