@@ -42,12 +42,15 @@ import torch
 from benchmarks.extract import matmul_tflops
 from benchmarks.targets import target_config, word_tokenizer
 from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.options import TOKEN_BUDGETS
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.target.fused import fused_kernels
 from dflash_cache.target.target import load_target
 from dflash_cache.target.varlen import ATTENTION, packed_kernels
 
-RANK_LINE = re.compile(r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")  # the CLI's summary line
+RANK_LINE = re.compile(
+    r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s (?:compiling|on a warm-up forward)"
+)  # the CLI's summary line
 AHEAD_LINE = re.compile(r"kernels compiled and autotuned ahead, .*: ([\d.]+) s")
 
 
@@ -141,9 +144,9 @@ def run_cli(
 
 
 def packed_batches(rows: list[np.ndarray], device: str) -> list:
-    """The packed plan of `rows` at the default GPU token budget, as extraction builds it."""
+    """The packed plan of `rows` at extraction's default token budget on `device`, as it builds it."""
     samples = [Sample(i, r.astype(np.int32), np.ones(len(r), dtype=bool)) for i, r in enumerate(rows)]
-    layout = PackedLayout(max(49152, max(len(r) for r in rows)))
+    layout = PackedLayout(max(TOKEN_BUDGETS[torch.device(device).type], max(len(r) for r in rows)))
     plan = layout.plan([s.sample_id for s in samples], [len(s.input_ids) for s in samples])
     return [layout.build([samples[i] for i in b], device) for b in plan]
 

@@ -12,8 +12,8 @@ One GPU (the cut extracted cold, ratio against its bare forward in the same call
 
 CPU smoke test (a tiny qwen3_5_moe, gloo between the processes):
 
-    python -m benchmarks.tensor_parallel --work /tmp/tp-smoke --shape tiny --device cpu --tp 2 --tokens 3000 \\
-        --reference-cut 6
+    python -m benchmarks.tensor_parallel --work /tmp/tp-smoke --shape tiny --layers-cut 8 --device cpu --tp 2 \\
+        --tokens 3000 --reference-cut 6
 
 1. A random-weight qwen3_5_moe target (hidden 2048, 256 experts of 512 with 8 routed and a shared one of 512,
    full attention every fourth layer, vocabulary 248,320; 40 layers or --layers-cut) saved as a model
@@ -41,6 +41,7 @@ would hold about 65 GB of experts; the memory column says what a run needed.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -98,6 +99,7 @@ def save_targets(folder: Path, config, device: str, cut: int | None) -> tuple[in
     if cut is not None:
         cut_dir = folder / f"target-cut{cut}"
         model.model.layers = model.model.layers[:cut]
+        model.config = copy.deepcopy(config)
         model.config.num_hidden_layers, model.config.layer_types = cut, config.layer_types[:cut]
         model.save_pretrained(cut_dir, max_shard_size="4GB")
         tokenizer.save_pretrained(cut_dir)
@@ -145,9 +147,9 @@ def torchrun(nproc: int) -> tuple[str, ...]:
     )
 
 
-def bare_worker(target: Path, data: Path, out: Path, tp: int) -> None:
+def bare_worker(target: Path, data: Path, out: Path) -> None:
     """One process of the group's bare forward (under torchrun): the target split as extraction splits it."""
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank, local, tp = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         torch.cuda.set_device(device)
@@ -193,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work
     if args.bare_worker:
-        bare_worker(work / "target", work / "data.parquet", work / "bare.json", args.tp)
+        bare_worker(work / "target", work / "data.parquet", work / "bare.json")
         return
 
     shutil.rmtree(work, ignore_errors=True)
@@ -221,7 +223,7 @@ def main() -> None:
             extra,
         )
     if group:
-        command = [*torchrun(args.tp), "-m", "benchmarks.tensor_parallel", "--work", str(work), "--tp", str(args.tp)]
+        command = [*torchrun(args.tp), "-m", "benchmarks.tensor_parallel", "--bare-worker", "--work", str(work)]
         subprocess.run(command, check=True, env=os.environ | {"TRITON_CACHE_DIR": str(work / "kernels" / "triton")})
         bare = json.loads((work / "bare.json").read_text())["tok_s"]
     else:
