@@ -8,7 +8,7 @@ A group (one host of G 80 GB GPUs; the full-depth target is about 70 GB of bf16 
 
 One GPU (the cut extracted cold, ratio against its bare forward in the same call):
 
-    python -m benchmarks.tensor_parallel --work /tmp/moe-cut --tp 1 --layers-cut 12 [--tokens 1000000] [--json cut.json]
+    python -m benchmarks.tensor_parallel --work /tmp/moe-cut --tp 1 --layers-cut 20 [--tokens 1000000] [--json cut.json]
 
 CPU smoke test (a tiny qwen3_5_moe, gloo between the processes):
 
@@ -18,7 +18,8 @@ CPU smoke test (a tiny qwen3_5_moe, gloo between the processes):
 1. A random-weight qwen3_5_moe target (hidden 2048, 256 experts of 512 with 8 routed and a shared one of 512,
    full attention every fourth layer, vocabulary 248,320; 40 layers or --layers-cut) saved as a model
    directory with a tokenizer covering its vocabulary; with --tp > 1 also a cut of its first --reference-cut
-   layers (the same weights), which fits one GPU. Pre-tokenized random records as extract_cold.py writes them.
+   layers (the same weights), which fits one GPU; a group's target is built in host memory (about 70 GB at full
+   depth). Pre-tokenized random records as extract_cold.py writes them.
 2. `extract` at its defaults, cold (TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR empty), in a new process:
    under torchrun with `--tp G` for a group, plain `extract --gpus 0` for one GPU.
 3. The bare forward of the same target on the same packed batches (HF's modules with logits, nothing kept):
@@ -222,9 +223,12 @@ def main() -> None:
             launcher,
             extra,
         )
+    # The bare forward loads the kernels and autotuning results extraction left, instead of tuning again.
+    os.environ["TRITON_CACHE_DIR"] = str(work / "kernels" / "triton")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "kernels" / "inductor")
     if group:
         command = [*torchrun(args.tp), "-m", "benchmarks.tensor_parallel", "--bare-worker", "--work", str(work)]
-        subprocess.run(command, check=True, env=os.environ | {"TRITON_CACHE_DIR": str(work / "kernels" / "triton")})
+        subprocess.run(command, check=True)
         bare = json.loads((work / "bare.json").read_text())["tok_s"]
     else:
         target = load_target(work / "target", f"{args.device}:0" if on_gpu else "cpu", attention=ATTENTION)
