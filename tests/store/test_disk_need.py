@@ -3,15 +3,14 @@
 
 import re
 import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
 
 from dflash_cache.store.disk_need import bytes_per_token
 from dflash_cache_cli.main import main
+from tests.support.cli import shell_command
 from tests.support.extract import extract_args, run_extract
-from tests.support.fulldisk import can_mount_tmpfs
 
 
 def spec_27b(codec: str, **extra) -> dict:
@@ -32,16 +31,15 @@ def test_bytes_per_token_at_the_27b_shape(codec, extra, expected):
     assert bytes_per_token(spec_27b(codec, **extra)) == pytest.approx(expected)
 
 
-def test_extract_refuses_a_file_system_too_small_and_the_flag_overrides(qwen3_target_dir, conversations, tmp_path):
+def test_extract_refuses_a_file_system_too_small_and_the_flag_overrides(
+    qwen3_target_dir, conversations, tmp_path, small_tmpfs
+):
     """A real 256 KiB tmpfs (mounted in a user namespace): the run is refused before the target
     loads, naming the estimate and the free space; with --skip-disk-check it starts and runs into
     the full disk instead."""
-    if not can_mount_tmpfs():
-        pytest.skip("unprivileged user namespaces are not available to mount a small tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    args = [str(a) for a in extract_args(qwen3_target_dir, conversations, disk / "cache")]
-    command = " ".join(f"'{a}'" for a in [sys.executable, "-m", "dflash_cache_cli.main", *args])
+    command = shell_command(*extract_args(qwen3_target_dir, conversations, disk / "cache"))
     script = f"""
         mount -t tmpfs -o size=256k tmpfs '{disk}' || exit 99
         {command} 2> '{tmp_path}/refused.err'; echo $? > '{tmp_path}/refused.rc'
