@@ -42,12 +42,15 @@ import torch
 from benchmarks.extract import matmul_tflops
 from benchmarks.targets import target_config, word_tokenizer
 from dflash_cache.data.dataset import Sample
+from dflash_cache.extract.options import TOKEN_BUDGETS
 from dflash_cache.extract.packing import PackedLayout
 from dflash_cache.target.fused import fused_kernels
 from dflash_cache.target.target import load_target
 from dflash_cache.target.varlen import ATTENTION, packed_kernels
 
-RANK_LINE = re.compile(r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s compiling")  # the CLI's summary line
+RANK_LINE = re.compile(
+    r"rank 0: ([\d,]+) tokens, ([\d,]+) tokens/s, ([\d.]+) s (?:compiling|on a warm-up forward)"
+)  # the CLI's summary line
 AHEAD_LINE = re.compile(r"kernels compiled and autotuned ahead, .*: ([\d.]+) s")
 
 
@@ -78,7 +81,17 @@ def write_data(path: Path, tokens: int, vocab: int, seed: int = 0) -> list[np.nd
     return rows
 
 
-def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> dict:
+def run_cli(
+    target: Path,
+    data: Path,
+    out: Path,
+    kernels: Path,
+    log: Path,
+    launcher: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """`extract` at its defaults (plus `extra`), in a new process started by `launcher` (default: this
+    Python), with the kernel caches in `kernels`."""
     env = {
         **os.environ,
         "TRITON_CACHE_DIR": str(kernels / "triton"),
@@ -88,7 +101,7 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
     start = time.perf_counter()
     proc = subprocess.run(
         [
-            sys.executable,
+            *(launcher or (sys.executable,)),
             "-m",
             "dflash_cache_cli.main",
             "extract",
@@ -98,6 +111,7 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
             str(data),
             "--out",
             str(out),
+            *extra,
         ],
         env=env,
         capture_output=True,
@@ -129,28 +143,44 @@ def run_cli(target: Path, data: Path, out: Path, kernels: Path, log: Path) -> di
     }
 
 
-def bare_forward(target_dir: Path, rows: list[np.ndarray], device: str) -> tuple[dict[str, float], int]:
+def packed_batches(rows: list[np.ndarray], device: str) -> list:
+    """The packed plan of `rows` at extraction's default token budget on `device`, as it builds it."""
+    samples = [Sample(i, r.astype(np.int32), np.ones(len(r), dtype=bool)) for i, r in enumerate(rows)]
+    layout = PackedLayout(max(TOKEN_BUDGETS[torch.device(device).type], max(len(r) for r in rows)))
+    plan = layout.plan([s.sample_id for s in samples], [len(s.input_ids) for s in samples])
+    return [layout.build([samples[i] for i in b], device) for b in plan]
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_forward(model, batches: list, tokens: int, device: str, fused: bool = False) -> float:
+    """Warm tokens/s of the model's own forward (with logits, nothing kept) over `batches`."""
+    with (
+        torch.inference_mode(),
+        packed_kernels(model),
+        fused_kernels(model) if fused else nullcontext(),
+    ):
+        model(input_ids=batches[0].input_ids, use_cache=False, **batches[0].forward_kwargs())  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        for fb in batches:
+            model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
+        synchronize(device)
+    return tokens / (time.perf_counter() - start)
+
+
+def bare_forward(
+    target_dir: Path, rows: list[np.ndarray], device: str, kinds: tuple[str, ...] = ("hf", "fused")
+) -> tuple[dict[str, float], int]:
     """Warm tokens/s of the model's own forward over the packed plan of `rows` (HF's modules, and
     fused), and the rows' count."""
     target = load_target(target_dir, device, attention=ATTENTION)
-    samples = [Sample(i, r.astype(np.int32), np.ones(len(r), dtype=bool)) for i, r in enumerate(rows)]
-    layout = PackedLayout(max(49152, max(len(r) for r in rows)))
-    plan = layout.plan([s.sample_id for s in samples], [len(s.input_ids) for s in samples])
-    batches = [layout.build([samples[i] for i in b], device) for b in plan]
-    rates = {}
-    for name, fused in (("hf", False), ("fused", True)):
-        with (
-            torch.inference_mode(),
-            packed_kernels(target.model),
-            fused_kernels(target.model) if fused else nullcontext(),
-        ):
-            target.model(input_ids=batches[0].input_ids, use_cache=False, **batches[0].forward_kwargs())  # warm-up
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for fb in batches:
-                target.model(input_ids=fb.input_ids, use_cache=False, **fb.forward_kwargs())
-            torch.cuda.synchronize()
-        rates[name] = sum(len(r) for r in rows) / (time.perf_counter() - start)
+    batches = packed_batches(rows, device)
+    tokens = sum(len(r) for r in rows)
+    rates = {name: timed_forward(target.model, batches, tokens, device, fused=name == "fused") for name in kinds}
     return rates, len(batches)
 
 

@@ -1,5 +1,6 @@
 """The benchmarks' parsing of other processes' output, checked on the CPU (a mismatch costs a whole
-device call): benchmarks/extract_cold.py reads the CLI's own lines, large numbers included;
+device call): benchmarks/extract_cold.py and benchmarks/follow.py read the CLI's own lines, large numbers
+and several ranks included;
 benchmarks/drafter.py --peer reads the JSON line of speculators' step script; benchmarks/quality.py reads
 `eval --target`'s report."""
 
@@ -10,6 +11,7 @@ import pytest
 
 from benchmarks.drafter import run_peer
 from benchmarks.extract_cold import RANK_LINE
+from benchmarks.follow import Run, extraction_rate
 from dflash_cache.extract.worker import RankSummary
 from dflash_cache_cli.extract_cmd import rank_line
 
@@ -19,6 +21,24 @@ def test_rank_line_is_read_back_with_thousands_separators():
     match = RANK_LINE.search(line)
     assert match, line
     assert match.group(1) == "1,004,184" and match.group(2) == "29,535" and match.group(3) == "2.1"
+
+
+def test_the_cpu_rank_line_is_read_back_too():
+    line = rank_line(RankSummary(rank=0, tokens=6_305, compute_s=2.0, compile_s=0.3, on_gpu=False))
+    match = RANK_LINE.search(line)
+    assert match, line
+    assert (match.group(1), match.group(2), match.group(3)) == ("6,305", "3,152", "0.3")
+
+
+def test_follow_sums_the_rank_lines_of_a_five_gpu_extraction(tmp_path):
+    """Five ranks of 1,000,000 tokens in 40, 50, 40, 50 and 80 s: 25,000 + 20,000 + 25,000 + 20,000 + 12,500."""
+    run = Run([], tmp_path / "log", 0.0)
+    run.lines = [(0.0, "done: 5,000,000 tokens\n")] + [
+        (0.0, rank_line(RankSummary(rank=r, tokens=1_000_000, compute_s=s)) + "\n")
+        for r, s in enumerate([40.0, 50.0, 40.0, 50.0, 80.0])
+    ]
+    rate = extraction_rate(run, wall_s=100.0)
+    assert rate == {"ranks": 5, "tokens": 5_000_000, "tok_s": 102_500.0, "wall_tok_s": 50_000.0}
 
 
 PEER_STANDIN = """
