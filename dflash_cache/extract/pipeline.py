@@ -132,14 +132,14 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
     started = time.perf_counter()
     _check_options(opts)
     info: TargetInfo = read_target_info(opts.target)
-    parameters = check_extractable(info)
+    weights = check_extractable(info)
     layer_ids = resolve_layer_ids(info.num_layers, opts.layers, opts.num_draft_layers)
     batching = choose_batching(info.config.get_text_config(), opts.batching, opts.max_length)
     dist = _torchrun()
     devices, rank_ids, world, group = _launch(opts, dist)
     writes = group is None or group.writes  # the other processes of a group compute beside its writer
     if torch.device(devices[0]).type == "cuda":
-        check_fits(parameters, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
+        check_fits(weights, torch.cuda.get_device_properties(devices[0]).total_memory, opts.tp)
     budget = opts.token_budget or TOKEN_BUDGETS[torch.device(devices[0]).type]
     # One lock for the cache, whatever the launch mode: the ranks of one torchrun launch share it.
     cache = WritableCache.open(opts.out, opts.staging, None if dist is None else launch_key())

@@ -21,6 +21,7 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.target.info import SUPPORTED, TargetInfo
+from dflash_cache.target.parallel import Weights, plan_weights
 
 # Families whose every layer is one of the kinds `packed_support` checks, with attention through
 # transformers' attention interface and rotary positions from `position_ids`; each is run packed
@@ -132,8 +133,9 @@ def _has_varlen_attn() -> bool:
         return False
 
 
-def check_extractable(info: TargetInfo) -> int:
-    """Refuse, from the config alone, a target lacking what extraction reads; returns its parameter count."""
+def check_extractable(info: TargetInfo) -> Weights:
+    """Refuse, from the config alone, a target lacking what extraction reads; returns its parameters, as a
+    tensor-parallel group holds them."""
     model = meta_model(info.config)
     missing = missing_parts(model, info.config)
     if missing:
@@ -141,7 +143,7 @@ def check_extractable(info: TargetInfo) -> int:
             f"target {info.path}: model type '{info.config.model_type}' has no {', no '.join(missing)}; "
             f"supported: {SUPPORTED}"
         )
-    return sum(p.numel() for p in model.parameters())
+    return plan_weights(model, info.config)
 
 
 def meta_model(config) -> nn.Module:

@@ -14,6 +14,7 @@ requires a single root module").
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,17 +52,54 @@ def group_of(rank: int, world: int, tp: int) -> Group:
     return Group(rank, tp)
 
 
-def check_fits(parameters: int, device_bytes: int, tp: int) -> None:
-    """Refuse a target whose bf16 weights, split over `tp` devices, leave too little of each for
-    extraction's batches; name the --tp that fits."""
-    needed = math.ceil(parameters * BF16_BYTES / (WEIGHT_SHARE * device_bytes))
-    if needed > tp:
+@dataclass(frozen=True)
+class Weights:
+    """A target's parameters: those its tensor-parallel plan splits over a group, those every process keeps whole."""
+
+    split: int
+    whole: int
+
+    def per_process(self, tp: int) -> int:
+        return self.whole + math.ceil(self.split / tp)
+
+
+def plan_weights(model: torch.nn.Module, config) -> Weights:
+    """Which of `model`'s parameters (a meta-device build of `config`) transformers' tensor-parallel plan
+    (`base_model_tp_plan`) splits; the rest, routed experts among them (their entries are in the
+    expert-parallel plan), stay whole on each process."""
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    patterns = [
+        re.compile(r"(^|\.)" + re.escape(key).replace(r"\*", r"\d+") + r"\.")
+        for key, style in plan.items()
+        if not style.startswith("replicated")
+    ]
+    split = whole = 0
+    for name, parameter in model.named_parameters():
+        if any(pattern.search(name) for pattern in patterns):
+            split += parameter.numel()
+        else:
+            whole += parameter.numel()
+    return Weights(split, whole)
+
+
+def check_fits(weights: Weights, device_bytes: int, tp: int) -> None:
+    """Refuse a target whose bf16 weights, as a process of a `tp` group holds them, leave too little of
+    a device for extraction's batches; name the --tp that fits, or say that none does."""
+    room = WEIGHT_SHARE * device_bytes
+    if weights.per_process(tp) * BF16_BYTES <= room:
+        return
+    total = weights.split + weights.whole
+    said = f"the target's {total / 1e9:.1f}B parameters take {total * BF16_BYTES / 2**30:.0f} GiB in bf16, "
+    if tp > 1:
+        said += f"{weights.per_process(tp) * BF16_BYTES / 2**30:.0f} GiB per process at --tp {tp}, "
+    said += f"over {WEIGHT_SHARE:.0%} of a {device_bytes / 2**30:.0f} GiB GPU"
+    if weights.whole * BF16_BYTES >= room:
         raise DFlashCacheError(
-            f"the target's {parameters / 1e9:.1f}B parameters take {parameters * BF16_BYTES / 2**30:.0f} GiB in bf16, "
-            f"{'' if tp == 1 else f'{parameters * BF16_BYTES / tp / 2**30:.0f} GiB per process at --tp {tp}, '}"
-            f"over {WEIGHT_SHARE:.0%} of a {device_bytes / 2**30:.0f} GiB GPU: split it with "
-            f"torchrun --nproc-per-node {needed} ... extract --tp {needed}"
+            f"{said}, and {weights.whole / 1e9:.1f}B of them (routed experts, embeddings, norms) are whole on every "
+            "process whatever --tp: transformers' tensor-parallel plan does not split them; use GPUs with more memory"
         )
+    needed = next(n for n in range(max(tp, 1), 1 << 16) if weights.per_process(n) * BF16_BYTES <= room)
+    raise DFlashCacheError(f"{said}: split it with torchrun --nproc-per-node {needed} ... extract --tp {needed}")
 
 
 def join_launch(device: str) -> None:

@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 import pytest
+from transformers import Qwen3_5MoeConfig
 
 from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.store.manifest import spec_differences
 from dflash_cache.stream.caches import FREE_SPEC_FIELDS
-from dflash_cache.target.parallel import check_fits, group_of
+from dflash_cache.target.families import meta_model
+from dflash_cache.target.parallel import Weights, check_fits, group_of, plan_weights
 from dflash_cache.train.distributed import free_port
 from tests.support.extract import LAYERS, assert_same_cache, extract_args
 from tests.support.tiny import build_target, write_conversations
@@ -28,15 +30,52 @@ def test_tp_outside_torchrun_or_over_another_process_count_is_refused(tmp_path):
 
 
 def test_a_target_too_large_for_one_gpu_is_refused_naming_the_split_that_fits():
-    """bf16 weights may take 80% of a GPU: 35B parameters are 70 GB, over 80% of 80 GiB (68.7 GB),
-    so two GPUs; 120B are 240 GB, 3.5 GPUs' share, so four."""
+    """bf16 weights may take 80% of a GPU (68.7 GB of 80 GiB): 35B split parameters are 70 GB, so two
+    GPUs; 120B are 240 GB, 3.5 GPUs' share, so four. Parameters the plan leaves whole count on every
+    process: with 30B whole and 10B split a process holds 60 + 10 GB at --tp 2, 60 + 6.7 GB at --tp 3;
+    40B whole (80 GB) fit at no --tp."""
     gib80 = 80 * 2**30
     with pytest.raises(DFlashCacheError, match="35.0B parameters take 65 GiB.*--nproc-per-node 2 .* --tp 2"):
-        check_fits(35_000_000_000, gib80, 1)
-    check_fits(35_000_000_000, gib80, 2)
-    check_fits(8_000_000_000, gib80, 1)
+        check_fits(Weights(35_000_000_000, 0), gib80, 1)
+    check_fits(Weights(35_000_000_000, 0), gib80, 2)
+    check_fits(Weights(8_000_000_000, 0), gib80, 1)
     with pytest.raises(DFlashCacheError, match="112 GiB per process at --tp 2.*--tp 4"):
-        check_fits(120_000_000_000, gib80, 2)
+        check_fits(Weights(120_000_000_000, 0), gib80, 2)
+    with pytest.raises(DFlashCacheError, match="65 GiB per process at --tp 2.*--tp 3"):
+        check_fits(Weights(10_000_000_000, 30_000_000_000), gib80, 2)
+    check_fits(Weights(10_000_000_000, 30_000_000_000), gib80, 3)
+    with pytest.raises(DFlashCacheError, match="40.0B of them .* whole on every process whatever --tp"):
+        check_fits(Weights(2_000_000_000, 40_000_000_000), gib80, 8)
+
+
+def test_the_plan_splits_attention_and_shared_experts_but_not_routed_experts():
+    """A tiny qwen3_5_moe (hidden 64, 2 layers: linear attention, then full attention; 8 experts of 32,
+    a shared expert of 32), counted by hand from its shapes: split are the linear attention's five
+    projections (8,192 + 4,096 + 4,096 + 256 + 256), the full attention's four (8,192 + 2,048 + 2,048 +
+    4,096) and each layer's shared expert (3 x 2,048); routed experts, router, norms, embeddings whole."""
+    config = Qwen3_5MoeConfig(
+        text_config=dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=128,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+        )
+    )
+    model = meta_model(config)
+    weights = plan_weights(model, config)
+    assert weights.split == 16_896 + 16_384 + 2 * 6_144
+    assert weights.split + weights.whole == sum(p.numel() for p in model.parameters())
 
 
 def torchrun_extract(target, data, out, env=None, **kw) -> subprocess.CompletedProcess:
