@@ -65,8 +65,8 @@ class Weights:
 
 def plan_weights(model: torch.nn.Module, config) -> Weights:
     """Which of `model`'s parameters (a meta-device build of `config`) transformers' tensor-parallel plan
-    (`base_model_tp_plan`) splits; the rest, routed experts among them (their entries are in the
-    expert-parallel plan), stay whole on each process."""
+    (`base_model_tp_plan`) splits; the rest stay whole on each process (routed experts too, where a
+    release lists them in its expert-parallel plan only)."""
     plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
     patterns = [
         re.compile(r"(^|\.)" + re.escape(key).replace(r"\*", r"\d+") + r"\.")
