@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.drafter.anchors import sample_anchors
@@ -16,7 +16,7 @@ from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache_cli.main import main
-from tests.support.drafter import random_batch
+from tests.support.drafter import random_batch, save_target_head
 from tests.support.reference import reference_model_class
 
 BLOCK = 4
@@ -34,14 +34,7 @@ def exported(target, tmp_path_factory):
     loaded with the reference; plus our model on the target's head."""
     model, tokenizer = target
     root = tmp_path_factory.mktemp("export")
-    save_file(
-        {
-            "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
-            "norm.weight": model.model.norm.weight.detach().clone(),
-            "lm_head.weight": model.lm_head.weight.detach().clone(),
-        },
-        root / "head.safetensors",
-    )
+    save_target_head(model, root / "head.safetensors")
     config = DrafterConfig(
         hidden_size=64,
         intermediate_size=128,

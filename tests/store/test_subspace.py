@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import DFlashCacheError, open_cache
@@ -19,7 +18,7 @@ from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.store.codecs import compress, decode, decompress, encode, encoded_size
 from dflash_cache.store.subspace import BASIS_FILE, fit_basis, gram, load_basis, token_shares
 from dflash_cache.store.verify import verify_cache
-from tests.support.drafter import random_batch
+from tests.support.drafter import random_batch, save_target_head
 from tests.support.extract import LAYERS, run_extract
 from tests.support.reference import reference_model_class
 
@@ -64,14 +63,7 @@ def exported(qwen3_target_dir, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(qwen3_target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(qwen3_target_dir)
     root = tmp_path_factory.mktemp("export")
-    save_file(
-        {
-            "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
-            "norm.weight": model.model.norm.weight.detach().clone(),
-            "lm_head.weight": model.lm_head.weight.detach().clone(),
-        },
-        root / "head.safetensors",
-    )
+    save_target_head(model, root / "head.safetensors")
     config = DrafterConfig(
         hidden_size=64,
         intermediate_size=128,

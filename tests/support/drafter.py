@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from dflash_cache.drafter.checkpoint import save_drafter
 from dflash_cache.drafter.config import DrafterConfig
@@ -103,3 +104,16 @@ def random_drafter(directory: Path, target_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     save_drafter(DFlashDrafter(config), directory)
     return directory
+
+
+def save_target_head(model: torch.nn.Module, path: Path) -> None:
+    """A transformers target's embedding, final norm and LM head as the head.safetensors a drafter
+    checkpoint carries."""
+    save_file(
+        {
+            "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+            "norm.weight": model.model.norm.weight.detach().clone(),
+            "lm_head.weight": model.lm_head.weight.detach().clone(),
+        },
+        path,
+    )
