@@ -84,7 +84,7 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, mask_token="<|mask|>")
 
 
-def build_target(config, device: str, folder: Path, attention: str | None = "sdpa") -> Target:
+def build_target(config, device: str, folder: Path, attention: str = "sdpa") -> Target:
     """The model of `config` with random bf16 weights, initialised on `device`; `folder` gets its
     config.json and a tokenizer, as a model directory would hold them (but no weights)."""
     torch.manual_seed(0)
@@ -103,4 +103,5 @@ def build_target(config, device: str, folder: Path, attention: str | None = "sdp
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         config_hash=config_hash(folder / "config.json"),
+        attention=attention,
     )

@@ -8,7 +8,7 @@ A group (one host of G 80 GB GPUs; the full-depth target is about 70 GB of bf16 
 
 One GPU (the cut extracted cold, ratio against its bare forward in the same call):
 
-    python -m benchmarks.tensor_parallel --work /tmp/moe-cut --tp 1 --layers-cut 20 [--tokens 1000000] [--json cut.json]
+    python -m benchmarks.tensor_parallel --work /tmp/moe-cut --tp 1 --layers-cut 16 [--tokens 400000] [--json cut.json]
 
 CPU smoke test (a tiny qwen3_5_moe, gloo between the processes):
 
@@ -32,8 +32,8 @@ Reported: extraction's tokens/s (its rank line: tokens over compute seconds) and
 seconds, the bare forward's tokens/s and the ratios, each process's peak GPU memory during extraction
 (nvidia-smi, sampled every second), and the per-layer differences.
 
-Smoke-tested on the CPU only: `--shape tiny --device cpu` with --tp 2 (two gloo processes) and --tp 1.
-Never run on GPUs: neither the group run nor the one-GPU cut. With transformers 5.25.0 the plan of
+The one-GPU cut ran on an H100 at 16 layers (BENCHMARKS.md, "Extraction"); the group run has run only on the
+CPU (`--shape tiny --device cpu`, two gloo processes). With transformers 5.25.0 the plan of
 `--tp` splits attention, the linear-attention projections and the shared expert but keeps every routed
 expert whole in each process (they are most of this shape's weights), so at full depth each 80 GB GPU
 would hold about 65 GB of experts; the memory column says what a run needed.

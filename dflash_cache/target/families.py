@@ -119,6 +119,18 @@ def padded_attention(config, device: str | torch.device) -> str:
     return "eager"
 
 
+# Inductor lowers flex attention over fewer than 128 query tokens to its decoding kernel, which sizes
+# a query block as those tokens times the query heads per key head and has no configuration left once
+# that passes 128 (a padded batch of short gpt-oss samples, 8 query heads a key head: NoValidChoicesError);
+# the main kernel takes any length.
+FLEX_KERNEL_OPTIONS = {"BACKEND": "TRITON"}
+
+
+def attention_kwargs(attention: str) -> dict:
+    """What a forward passes through to transformers' attention function `attention`."""
+    return {"kernel_options": FLEX_KERNEL_OPTIONS} if attention == "flex_attention" else {}
+
+
 def _varlen_takes_window() -> bool:
     from dflash_cache.target.varlen import varlen_params  # varlen.py imports this module
 

@@ -12,6 +12,7 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.target.batch import ForwardBatch, padded_rows, to_device
+from dflash_cache.target.families import attention_kwargs
 from dflash_cache.target.fused import fused_kernels
 from dflash_cache.target.kvcache import Cache, cache_kwargs
 from dflash_cache.target.target import Target
@@ -90,7 +91,10 @@ class TargetRunner:
                     if self.fused:
                         scope.enter_context(fused_kernels(self.target.model))
                 out = self.target.base(
-                    input_ids=input_ids, **cache_kwargs(self.target.base, cache), **fb.forward_kwargs()
+                    input_ids=input_ids,
+                    **cache_kwargs(self.target.base, cache),
+                    **fb.forward_kwargs(),
+                    **attention_kwargs(self.target.attention),
                 )
         except _StopForward:
             out = None

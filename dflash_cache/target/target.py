@@ -31,6 +31,7 @@ class Target:
     hidden_size: int
     vocab_size: int
     config_hash: str  # sha256 of the canonical config.json; identifies the target in a cache
+    attention: str  # transformers' attention implementation it was loaded with
 
     @property
     def base(self) -> nn.Module:
@@ -75,6 +76,7 @@ def load_target(
         hidden_size=model.config.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         config_hash=info.config_hash,
+        attention=attention,
     )
 
 

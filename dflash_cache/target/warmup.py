@@ -281,6 +281,7 @@ def warm_up_small_model(target_path: Path, layout: Layout, device: str, kernel_c
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         config_hash="",
+        attention=layout.attention,
     )
     runner, batch, threads = TargetRunner(small, [0]), layout.build(layout.warmup_samples(), device), compile_threads()
     with node_lock(folder):

@@ -45,8 +45,10 @@ def pretokenized(path, vocab_size: int):
 
 def check_family(arch: str, tmp_path, device: str) -> None:
     target = build_target(tmp_path / arch, arch, num_layers=4)
+    # The reference runs where extraction ran: with flash-linear-attention installed, transformers
+    # sends qwen3_5's linear attention to its Triton kernels whatever the tensors' device.
     reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16, attn_implementation="eager")
-    reference.eval()
+    reference.eval().to(device)
     data = pretokenized(tmp_path / "data.jsonl", reference.config.vocab_size)
     plans = []
 
@@ -65,21 +67,22 @@ def check_family(arch: str, tmp_path, device: str) -> None:
     for sid in sorted(cache):
         sample = cache[sid]
         assert len(sample.input_ids) == LENGTHS[sid]
+        ids = sample.input_ids[None].long().to(device)
         with torch.no_grad():
-            out = reference(sample.input_ids[None].long(), output_hidden_states=True)
+            out = reference(ids, output_hidden_states=True)
         # The last of HF's hidden states has the final norm applied: the last layer's own output
         # is the norm's input.
         final = []
         hook = reference.model.norm.register_forward_pre_hook(lambda module, args: final.append(args[0][0]))
         with torch.no_grad():
-            reference(sample.input_ids[None].long())
+            reference(ids)
         hook.remove()
-        expected = torch.cat([*(out.hidden_states[i + 1][0] for i in range(3)), final[0]], dim=-1)
+        expected = torch.cat([*(out.hidden_states[i + 1][0] for i in range(3)), final[0]], dim=-1).cpu()
         # Other batch shapes round bf16 differently, by up to a few bf16 steps of each layer's
         # largest state; a wrong mask, position or expert is off by a sizeable part of it.
         for got, want in zip(sample.hidden.float().chunk(4, -1), expected.float().chunk(4, -1)):
             assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()
         gap = logits.amax(-1) - logits.gather(1, sample.target_ids[:, None].long())[:, 0]
         # A label may differ only where the states' rounding can reorder the top logits.
         assert (gap <= TOLERANCE * logits.abs().amax(-1)).all()
