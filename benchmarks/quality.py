@@ -87,6 +87,20 @@ VARIANTS = {
     "lr2x": Variant("learning rate 1.2e-3 (2x)", train=("--lr", "1.2e-3")),
     "lrhalf": Variant("learning rate 3e-4 (0.5x)", train=("--lr", "3e-4")),
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
+    # speculators 0.9.0's optimizer and schedule end (its defaults: Muon at lr 1e-3, weight decay 0.1 on
+    # the matrices; its rate decays linearly to 0 after one step of warm-up), one change at a time
+    "muon": Variant(
+        "Muon on the matrices, lr 1e-3, weight decay 0.1",
+        train=("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1"),
+    ),
+    "muon-to0": Variant(
+        "muon, the rate decayed to 0 after 1 warm-up step",
+        train=("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1", "--min-lr-ratio", "0", "--warmup", "1"),
+    ),
+    "adamw-to0": Variant(
+        "AdamW at lr 1e-3 decayed to 0 after 1 warm-up step",
+        train=("--lr", "1e-3", "--min-lr-ratio", "0", "--warmup", "1"),
+    ),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),
     # fp4-zstd stores the same values as fp4 (zstd only on top), so one variant measures both

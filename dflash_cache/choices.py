@@ -13,6 +13,8 @@ TARGET_DTYPES = ("float32", "bfloat16")  # the target of `eval --target`
 # (BENCHMARKS.md, "Quality on a real target")
 LOSSES = ("dflash", "dpace", "topk")
 DEFAULT_LOSS = "dpace"
+# the drafter's optimizers (train/optim.py); the first is the default
+OPTIMIZERS = ("adamw", "muon")
 DPACE_ALPHA = 0.5  # D-PACE's smoothing: the default of speculators 0.9.0, SpecForge and NVIDIA Model-Optimizer
 DEMO_ASSETS = Path(__file__).resolve().parent.parent / "examples" / "assets"
 DEMO_TRAIN_DATA = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.choices import DEFAULT_LOSS, DPACE_ALPHA, LAYER_RULE, LOSSES
+from dflash_cache.choices import DEFAULT_LOSS, DPACE_ALPHA, LAYER_RULE, LOSSES, OPTIMIZERS
 from dflash_cache.console.options import option
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
@@ -99,12 +99,20 @@ class TrainConfig:
             f"Default: {GPU_DEFAULTS[0]} on a GPU, {CPU_DEFAULTS[0]} on the CPU."
         ),
     )
-    lr: float = field(default=6e-4, metadata=option("Peak AdamW learning rate."))
+    optimizer: str = field(
+        default=OPTIMIZERS[0],
+        metadata=option(
+            "adamw, or muon: torch's Muon over the drafter's matrices (speculators' default optimizer) and "
+            "AdamW over its norms; try it with --lr 1e-3 --weight-decay 0.1.",
+            choices=OPTIMIZERS,
+        ),
+    )
+    lr: float = field(default=6e-4, metadata=option("Peak learning rate."))
     warmup: int | None = field(
         default=None, metadata=option("Linear warmup steps before the cosine decay. Default: 4% of the run.")
     )
     min_lr_ratio: float = field(default=0.1, metadata=option("The cosine ends at lr times this."))
-    weight_decay: float = field(default=0.01, metadata=option("AdamW weight decay (matrices only)."))
+    weight_decay: float = field(default=0.01, metadata=option("Weight decay of the matrices (norms: none)."))
     grad_clip: float = field(default=1.0, metadata=option("Clip the gradient norm to this."))
     grad_accum: int = field(
         default=1,
@@ -284,6 +292,8 @@ class TrainConfig:
             raise DFlashCacheError(f"--gamma must be positive (got {self.gamma})")
         if self.grad_clip <= 0:  # a negative norm would flip the gradients' sign
             raise DFlashCacheError(f"--grad-clip must be positive (got {self.grad_clip})")
+        if self.optimizer not in OPTIMIZERS:
+            raise DFlashCacheError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
         if self.weight_decay < 0:
             raise DFlashCacheError(f"--weight-decay must be at least 0 (got {self.weight_decay})")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -385,6 +395,8 @@ class TrainConfig:
             kept["anchors_per_batch"] = self.anchors_per_batch
         if self.follow:  # likewise
             kept["follow"] = True
+        if self.optimizer != OPTIMIZERS[0]:  # likewise
+            kept["optimizer"] = self.optimizer
         if self.loss != LOSSES[0]:  # likewise: the runs that record no loss trained with LOSSES[0]
             kept["loss"] = self.loss
             if self.loss == "dpace":

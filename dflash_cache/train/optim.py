@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio * lr`."""
+"""The optimizers (AdamW, or Muon with AdamW for the vectors) and the learning-rate schedule: linear
+warmup, then cosine decay to `min_lr_ratio * lr`."""
 
 from __future__ import annotations
 
@@ -6,21 +7,92 @@ import math
 
 import torch
 
+from dflash_cache.choices import OPTIMIZERS
+
 
 def build_optimizer(
-    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
-) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms and biases are not decayed. On a GPU the update is one
-    compiled function (CompiledAdamW) and the model's matrices become bf16 working copies of fp32
-    masters held by the optimizer; elsewhere torch's own AdamW on the fp32 weights."""
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    kind: str = OPTIMIZERS[0],
+    betas: tuple[float, float] = (0.9, 0.95),
+) -> torch.optim.Optimizer | MuonAdamW:
+    """Weight decay on matrices only; norms and biases are not decayed. adamw: on a GPU the update is
+    one compiled function (CompiledAdamW) and the model's matrices become bf16 working copies of fp32
+    masters held by the optimizer; elsewhere torch's own AdamW on the fp32 weights. muon: MuonAdamW,
+    fp32 weights everywhere."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    matrices, vectors = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    if kind == "muon":
+        return MuonAdamW(matrices, vectors, lr, weight_decay, betas)
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     if bool(params) and params[0].is_cuda:
         return CompiledAdamW(groups, lr=lr, betas=betas, bf16_matrices=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+class MuonAdamW:
+    """torch.optim.Muon over the drafter's matrices (each update orthogonalised, its size matched to
+    AdamW's update RMS at the same rate: adjust_lr_fn="match_rms_adamw") and torch.optim.AdamW over
+    its vectors, undecayed, stepped as one optimizer: the schedule sets both parts' rates through
+    `param_groups`, and `state_dict` is torch's layout with the parameters numbered across the parts.
+    Every matrix here is 2-D (Muon takes nothing else) and none is the frozen embedding or LM head."""
+
+    def __init__(
+        self,
+        matrices: list[torch.Tensor],
+        vectors: list[torch.Tensor],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        momentum: float = 0.95,
+    ):
+        self.parts: list[torch.optim.Optimizer] = []
+        if matrices:
+            muon = torch.optim.Muon(
+                matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw"
+            )
+            self.parts.append(muon)
+        if vectors:
+            self.parts.append(torch.optim.AdamW(vectors, lr=lr, betas=betas, weight_decay=0.0))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for part in self.parts for p, s in part.state.items()}
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for part in self.parts:
+            saved = part.state_dict()
+            state.update({offset + i: s for i, s in saved["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in saved["param_groups"]]
+            offset += sum(len(g["params"]) for g in part.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict) -> None:
+        first_group, offset = 0, 0
+        for part in self.parts:
+            groups = saved["param_groups"][first_group : first_group + len(part.param_groups)]
+            ids = [i for g in groups for i in g["params"]]
+            part.load_state_dict(
+                {
+                    "state": {i - offset: saved["state"][i] for i in ids if i in saved["state"]},
+                    "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in groups],
+                }
+            )
+            first_group, offset = first_group + len(groups), offset + len(ids)
 
 
 def adamw_update(

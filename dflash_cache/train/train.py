@@ -4,8 +4,9 @@ Precision: forward and backward run under bf16 autocast; AdamW's state and arith
 are the weights a checkpoint stores. On the CPU the weights and gradients are fp32. On a GPU AdamW's
 update is compiled (train/optim.py CompiledAdamW) and holds the fp32 master of each matrix, whose bf16
 copy is the model's weight: matrix gradients are bf16, and so are their sums over micro-batches
-(--grad-accum) and their averages over ranks; norm weights stay fp32. The frozen target head
-(embeddings, LM head) is bf16.
+(--grad-accum) and their averages over ranks; norm weights stay fp32. With --optimizer muon (torch's
+Muon) every weight and gradient stays fp32, on a GPU too. The frozen target head (embeddings, LM head)
+is bf16.
 
 Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
 so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
@@ -273,7 +274,7 @@ class Trainer:
             me.device.type == "cpu"
         ):  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
             self.model.attention = "dense"
-        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, cfg.optimizer)
         warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * self.total)
         self.scheduler = build_scheduler(self.optimizer, warmup, self.total, cfg.min_lr_ratio)
         out = Path(cfg.out)

@@ -10,7 +10,14 @@ from dflash_cache.drafter.checkpoint import WEIGHTS_FILE
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.train.checkpoint import load_checkpoint, rng_state, save_checkpoint
-from dflash_cache.train.optim import CompiledAdamW, build_optimizer, build_scheduler, clipped_step, gradient_norm
+from dflash_cache.train.optim import (
+    CompiledAdamW,
+    build_optimizer,
+    build_scheduler,
+    clipped_step,
+    gradient_norm,
+    lr_factor,
+)
 from tests.support.drafter import random_batch, random_head, tiny_drafter_config
 
 
@@ -254,3 +261,60 @@ def test_training_on_bf16_matrices_follows_fp32_weights_under_autocast(lr):
     # Gradient differences move the weights by about lr times as little (Adam's update is normalised).
     # It stays under the 2.5e-4 drift of bf16 weights with no masters, which the test must still catch.
     assert losses(True) == pytest.approx(losses(False), rel=20 * 64 * 2**-24)
+
+
+def test_muon_adamw_steps_as_torchs_muon_on_the_matrices_and_adamw_on_the_vectors():
+    """Each part makes the step its torch optimizer makes alone, at the schedule's rate: Muon with the
+    RMS-matched rate and the weight decay on every 2-D weight, AdamW undecayed on the biases and norms."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 5))
+    reference = copy.deepcopy(model)
+    optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, kind="muon")
+    schedule = build_scheduler(optimizer, warmup_steps=1, total_steps=4, min_lr_ratio=0.0)
+    matrices = [p for p in reference.parameters() if p.dim() == 2]
+    vectors = [p for p in reference.parameters() if p.dim() == 1]
+    muon = torch.optim.Muon(matrices, lr=1e-2, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(vectors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        for p, q, grad in zip(model.parameters(), reference.parameters(), grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        for part in (muon, adamw):
+            part.param_groups[0]["lr"] = 1e-2 * lr_factor(step, 1, 4, 0.0)
+            part.step()
+        optimizer.step()
+        schedule.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert sum(1 for p in model.parameters() if p.dim() == 2) == 2
+
+
+def test_muon_adamw_resumes_from_a_checkpoint_exactly(tmp_path):
+    """Both parts' state goes through a checkpoint (torch's layout, parameters numbered across the parts):
+    the resumed run's next step equals the uninterrupted run's."""
+
+    def drafter_and_optimizer():
+        torch.manual_seed(0)
+        model = DFlashDrafter(tiny_drafter_config(), random_head(0), tile=16)
+        optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, kind="muon")
+        return model, optimizer, build_scheduler(optimizer, 1, 10, 0.1)
+
+    def step(model, optimizer, scheduler, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
+        scheduler.step()
+
+    first = drafter_and_optimizer()
+    for seed in range(2):
+        step(*first, seed)
+    folder = save_checkpoint(tmp_path, 2, first[0], first[1], first[2], {"step": 2}, [rng_state()])
+    resumed = drafter_and_optimizer()
+    load_checkpoint(folder, *resumed)
+    assert resumed[2].get_last_lr() == first[2].get_last_lr()
+    for models in (first, resumed):
+        step(*models, 2)
+    for (name, a), b in zip(first[0].named_parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b), name

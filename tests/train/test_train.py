@@ -52,6 +52,19 @@ def test_default_loss_is_dpace_and_a_run_of_dflash_resumes_only_with_it(tmp_path
     train(tiny_train_config(tmp_path, cache, out="dflash", steps=1, resume=True, loss="dflash"))  # finished: says so
 
 
+def test_muon_trains_from_the_same_first_loss_and_its_run_resumes_only_with_it(tmp_path, cache):
+    """--optimizer muon: the first step's loss is AdamW's (same weights, same batch), the steps after
+    differ; the run records its optimizer and resuming it under the default is refused."""
+    for name, optimizer in (("adamw", "adamw"), ("muon", "muon")):
+        train(tiny_train_config(tmp_path, cache, out=name, steps=3, save_every=1, optimizer=optimizer))
+    adamw, muon = losses(tmp_path / "adamw"), losses(tmp_path / "muon")
+    assert adamw[0] == muon[0] and adamw[1:] != muon[1:] and all(math.isfinite(x) for x in muon)
+    assert json.loads((tmp_path / "muon" / "run.json").read_text())["options"]["optimizer"] == "muon"
+    with pytest.raises(DFlashCacheError, match="different config.*optimizer"):
+        train(tiny_train_config(tmp_path, cache, out="muon", steps=3, resume=True))
+    train(tiny_train_config(tmp_path, cache, out="muon", steps=3, resume=True, optimizer="muon"))  # finished
+
+
 def test_save_every_zero_writes_no_checkpoint(tmp_path, cache):
     train(tiny_train_config(tmp_path, cache, steps=2, save_every=0))
     run = tmp_path / "run"
