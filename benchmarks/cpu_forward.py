@@ -1,7 +1,9 @@
 """One forward of a target on a packed row, through HF's `sdpa` attention and through the packed rows'
-attention (`target/varlen.py`, one sample spanning the row), each timed twice in this process.
+attention (`target/varlen.py`, one sample spanning the row), in each of --dtypes, each timed twice in
+this process; and whether this CPU computes bf16 products fast (target/precision.py), which decides the
+dtype `extract` runs the target in on a CPU.
 
-    OMP_NUM_THREADS=2 python -m benchmarks.cpu_forward --target MODEL_DIR [--tokens 4404]   # BENCHMARKS.md, CPU
+    OMP_NUM_THREADS=2 python -m benchmarks.cpu_forward --target MODEL_DIR [--tokens 4404] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_cache.target.precision import cpu_bf16_is_fast, forward_dtype
 from dflash_cache.target.varlen import ATTENTION
 
 
-def timed_forwards(target: str, tokens: int, runs: int) -> dict[str, list[float]]:
+def timed_forwards(target: str, tokens: int, runs: int, dtype: torch.dtype) -> dict[str, list[float]]:
     ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
     bounds = torch.tensor([0, tokens], dtype=torch.int32)
     packed = dict(
@@ -28,7 +31,7 @@ def timed_forwards(target: str, tokens: int, runs: int) -> dict[str, list[float]
     )
     seconds: dict[str, list[float]] = {}
     for attention, kwargs in (("sdpa", {}), (ATTENTION, packed)):
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation=attention)
         with torch.inference_mode():
             for _ in range(runs):
                 start = time.perf_counter()
@@ -42,9 +45,12 @@ def main() -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--tokens", type=int, default=4404)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--dtypes", default="bfloat16")
     args = parser.parse_args()
-    for attention, times in timed_forwards(args.target, args.tokens, args.runs).items():
-        print(f"{attention}: {', '.join(f'{t:.1f}' for t in times)} s")
+    print(f"bf16 products fast on this CPU: {cpu_bf16_is_fast()} (extract runs the target in {forward_dtype('cpu')})")
+    for name in args.dtypes.split(","):
+        for attention, times in timed_forwards(args.target, args.tokens, args.runs, getattr(torch, name)).items():
+            print(f"{name} {attention}: {', '.join(f'{t:.1f}' for t in times)} s")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ TOKEN_BUDGETS = {"cuda": 49152, "cpu": 4096}
 
 @dataclass(kw_only=True)
 class ExtractOptions:
-    target: Path = field(metadata=option("Hugging Face model directory of the target (loaded in bf16)."))
+    target: Path = field(
+        metadata=option("Hugging Face model directory of the target (run in bf16; in fp32 on a CPU slow at bf16).")
+    )
     data: list[Path] = field(
         metadata=option(
             "Conversations JSONL ({'messages': [...]} or ShareGPT {'conversations': [...]}), or pre-tokenized "

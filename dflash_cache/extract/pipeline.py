@@ -47,6 +47,7 @@ from dflash_cache.target.batch import Layout
 from dflash_cache.target.families import Batching, check_extractable, choose_batching
 from dflash_cache.target.info import TargetInfo, read_target_info
 from dflash_cache.target.parallel import Group, check_fits, group_of, join_launch
+from dflash_cache.target.precision import describe_forward_dtype
 from dflash_cache.target.target import resolve_layer_ids
 from dflash_cache.target.warmup import start_background_warmup
 
@@ -156,7 +157,7 @@ def extract(opts: ExtractOptions, events: ExtractEvents | None = None) -> Extrac
         left = len(data.sample_ids) - resumed.done.count()
         tokens_left = int(data.lengths.sum()) - resumed.done.total(data.lengths)
         _check_disk(opts, cache, tokens_left, spec, events)
-        events.plan(left, tokens_left, f"{layout.describe()}: {batching.reason}")
+        events.plan(left, tokens_left, f"{layout.describe()}{describe_forward_dtype(devices[0])}: {batching.reason}")
         complete = not left and resumed.target_files_done
         if complete:
             _stop(warmup)  # nothing to compute and no target to load: only the manifest, if missing

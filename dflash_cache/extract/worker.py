@@ -38,6 +38,7 @@ from dflash_cache.store.writer import ShardWriter
 from dflash_cache.target.batch import Layout, to_device
 from dflash_cache.target.head import head_tensors, save_target_files
 from dflash_cache.target.parallel import Group
+from dflash_cache.target.precision import forward_dtype
 from dflash_cache.target.runner import TargetRunner
 from dflash_cache.target.target import Target, load_target
 from dflash_cache.target.warmup import use_kernel_cache, warm_up
@@ -321,7 +322,9 @@ def run_rank(
 
 
 def _load(job: RankJob) -> Target:
-    target = load_target(job.target_path, job.device, attention=job.layout.attention, group=job.group)
+    target = load_target(
+        job.target_path, job.device, forward_dtype(job.device), attention=job.layout.attention, group=job.group
+    )
     if target.config_hash != job.spec["target"]["config_hash"]:
         raise DFlashCacheError(f"target {job.target_path} changed while extraction was starting")
     return target

@@ -32,6 +32,7 @@ from dflash_cache.extract.spec import make_spec, tokenizer_hash
 from dflash_cache.stream.batch import FeatureBatch
 from dflash_cache.stream.caches import is_held_out
 from dflash_cache.target.info import read_target_info
+from dflash_cache.target.precision import forward_dtype
 from dflash_cache.target.runner import TargetRunner, padded_batch
 from dflash_cache.target.target import Target, load_target, resolve_layer_ids
 
@@ -109,7 +110,8 @@ class LiveSource:
     @property
     def runner(self) -> TargetRunner:
         if self._runner is None:
-            self._runner = TargetRunner(load_target(self.info.path, self.device), self.layer_ids)
+            target = load_target(self.info.path, self.device, forward_dtype(self.device))
+            self._runner = TargetRunner(target, self.layer_ids)
         return self._runner
 
     def head(self, device: torch.device | str) -> TargetHead:

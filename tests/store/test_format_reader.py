@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_cache import open_cache
+from dflash_cache.target.precision import forward_dtype
 from tests.support import format_reader
 from tests.support.extract import SHARD_BYTES, run_extract
 
@@ -50,8 +51,8 @@ def written(qwen3_target_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def forward(qwen3_target_dir):
-    """The target's hidden states and logits of a sequence run alone, in bf16 as extraction runs it."""
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target_dir, dtype=torch.bfloat16).eval()
+    """The target's hidden states and logits of a sequence run alone, in the dtype extraction runs it in."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target_dir, dtype=forward_dtype("cpu")).eval()
 
     @torch.no_grad()
     def run(ids: list[int], layers: list[int]) -> tuple[np.ndarray, np.ndarray]:

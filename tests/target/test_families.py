@@ -12,6 +12,7 @@ from dflash_cache import DFlashCacheError, open_cache
 from dflash_cache.drafter.defaults import target_drafter_config
 from dflash_cache.extract.events import ExtractEvents
 from dflash_cache.extract.pipeline import ExtractOptions, extract
+from dflash_cache.target.precision import forward_dtype
 from tests.support.tiny import build_target, build_tokenizer
 
 TOLERANCE = 0.03
@@ -45,9 +46,10 @@ def pretokenized(path, vocab_size: int):
 
 def check_family(arch: str, tmp_path, device: str) -> None:
     target = build_target(tmp_path / arch, arch, num_layers=4)
-    # The reference runs where extraction ran: with flash-linear-attention installed, transformers
-    # sends qwen3_5's linear attention to its Triton kernels whatever the tensors' device.
-    reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16, attn_implementation="eager")
+    # The reference runs where extraction ran (with flash-linear-attention installed, transformers sends
+    # qwen3_5's linear attention to its Triton kernels whatever the tensors' device) and in the dtype it
+    # ran in (fp32 on a CPU slow at bf16: target/precision.py).
+    reference = AutoModelForCausalLM.from_pretrained(target, dtype=forward_dtype(device), attn_implementation="eager")
     reference.eval().to(device)
     data = pretokenized(tmp_path / "data.jsonl", reference.config.vocab_size)
     plans = []
