@@ -176,6 +176,15 @@ def test_gradient_norm_of_bf16_gradients_is_not_rounded_to_bf16():
     assert abs(gradient_norm(params).item() - expected) < 1e-6
 
 
+def random_step(model, optimizer, scheduler, seed: int) -> None:
+    """A clipped optimizer step on random gradients (in each parameter's dtype), then the schedule's."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
+    scheduler.step()
+
+
 def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exactly(tmp_path):
     """A drafter whose matrices are bf16 copies: its checkpoint stores the fp32 masters as the drafter's
     weights, and a run resumed from it makes the uninterrupted run's next step exactly (masters, moments
@@ -191,16 +200,9 @@ def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exac
         optimizer = CompiledAdamW(groups, lr=1e-2, betas=(0.9, 0.95), compile=False, bf16_matrices=True)
         return model, optimizer, build_scheduler(optimizer, 1, 10, 0.1)
 
-    def step(model, optimizer, scheduler, seed):
-        g = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
-        scheduler.step()
-
     first = drafter_and_optimizer()
     for seed in range(2):
-        step(*first, seed)
+        random_step(*first, seed)
     folder = save_checkpoint(tmp_path, 2, first[0], first[1], first[2], {"step": 2}, [rng_state()])
     saved = load_file(folder / WEIGHTS_FILE)
     for name, p in first[0].named_parameters():
@@ -211,7 +213,7 @@ def test_a_checkpoint_of_bf16_working_weights_holds_the_masters_and_resumes_exac
     resumed = drafter_and_optimizer()
     load_checkpoint(folder, *resumed)
     for models in (first, resumed):
-        step(*models, 2)
+        random_step(*models, 2)
     for (name, a), b in zip(first[0].named_parameters(), resumed[0].parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
         if a in first[1].masters:
@@ -300,21 +302,14 @@ def test_muon_adamw_resumes_from_a_checkpoint_exactly(tmp_path):
         optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, kind="muon")
         return model, optimizer, build_scheduler(optimizer, 1, 10, 0.1)
 
-    def step(model, optimizer, scheduler, seed):
-        g = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
-        clipped_step(optimizer, gradient_norm(model.parameters()), 1.0)
-        scheduler.step()
-
     first = drafter_and_optimizer()
     for seed in range(2):
-        step(*first, seed)
+        random_step(*first, seed)
     folder = save_checkpoint(tmp_path, 2, first[0], first[1], first[2], {"step": 2}, [rng_state()])
     resumed = drafter_and_optimizer()
     load_checkpoint(folder, *resumed)
     assert resumed[2].get_last_lr() == first[2].get_last_lr()
     for models in (first, resumed):
-        step(*models, 2)
+        random_step(*models, 2)
     for (name, a), b in zip(first[0].named_parameters(), resumed[0].parameters()):
         assert torch.equal(a, b), name
