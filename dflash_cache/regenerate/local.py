@@ -35,6 +35,7 @@ from dflash_cache.regenerate.conversations import Completion
 from dflash_cache.regenerate.settings import GenerationSettings
 from dflash_cache.target.info import read_target_info
 from dflash_cache.target.loading_bars import no_loading_bars
+from dflash_cache.target.precision import generation_dtype
 
 MAX_BATCH = 16  # conversations generated together by one replica
 GATHER_S = 0.05  # how long a replica waits for more requests to batch (the run's lanes send them one by one)
@@ -83,7 +84,9 @@ class _Replica:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         with no_loading_bars():
             self.model = (
-                AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).to(device).eval()
+                AutoModelForCausalLM.from_pretrained(path, dtype=generation_dtype(device), local_files_only=True)
+                .to(device)
+                .eval()
             )
         vocab = self.tokenizer.get_vocab()
         self.think = tuple(vocab.get(token) for token in THINK)

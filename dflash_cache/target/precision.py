@@ -34,6 +34,12 @@ def forward_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def generation_dtype(device: str | torch.device) -> torch.dtype | str:
+    """What `regenerate --target` loads the model in: its own dtype ("auto"), or fp32 on a CPU slow at
+    bf16 products, where a bf16 model would also generate several times slower."""
+    return "auto" if forward_dtype(device) == torch.bfloat16 else torch.float32
+
+
 def describe_forward_dtype(device: str | torch.device) -> str:
     """For the plan line: nothing for bf16, else why the forward runs in fp32."""
     if forward_dtype(device) == torch.bfloat16:

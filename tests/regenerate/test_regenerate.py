@@ -21,6 +21,7 @@ from dflash_cache.regenerate.conversations import Completion, regenerate_convers
 from dflash_cache.regenerate.output import ResponsesFile
 from dflash_cache.regenerate.run import RegenerateOptions, regenerate
 from dflash_cache.regenerate.settings import GenerationSettings
+from dflash_cache.target.precision import generation_dtype
 from dflash_cache.train.distributed import free_port
 from dflash_cache_cli.main import main
 from tests.support.chatservers import TARGET, ScriptedServer, read_jsonl, write_jsonl
@@ -350,12 +351,13 @@ def test_cli_names_a_server_that_is_down_and_prints_a_summary(tmp_path, servers)
 # ---- the real thing: transformers serve and the in-process target ------------------------------------
 
 
-def _greedy_reference(records: list[dict], max_new_tokens: int) -> list[list[dict]]:
-    """Each assistant turn answered by the target's own greedy `generate`, in order."""
+def _greedy_reference(records: list[dict], max_new_tokens: int, dtype=None) -> list[list[dict]]:
+    """Each assistant turn answered by the target's own greedy `generate` in `dtype` (default: the one
+    the in-process target generates in), in order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=dtype or generation_dtype("cpu")).eval()
     out = []
     for record in records:
         messages = [dict(m) for m in record["messages"]]
@@ -385,7 +387,6 @@ def _bundled(lines: list[int]) -> list[dict]:
 def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tmp_path, transformers_serve):
     records = _bundled([1, 2, 3, 4, 49, 313])  # 49 and 313: three assistant turns each, 313 with a system turn
     data = write_jsonl(tmp_path / "data.jsonl", records)
-    expected = _greedy_reference(records, max_new_tokens=40)
     settings = GenerationSettings(max_tokens=40)
 
     served = tmp_path / "served.jsonl"
@@ -394,7 +395,8 @@ def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tm
     )
     assert summary.records == 6 and summary.turns == 10
     by_source = {r["source"]: r for r in read_jsonl(served)}
-    assert [by_source[f"{data}:{i}"]["messages"] for i in range(1, 7)] == expected
+    # the fixture's server runs the target in fp32
+    assert [by_source[f"{data}:{i}"]["messages"] for i in range(1, 7)] == _greedy_reference(records, 40, "float32")
     assert summary.finish_reasons["length"] == sum(
         r["regenerated"][k]["completion_tokens"] == 40 for r in by_source.values() for k in range(len(r["regenerated"]))
     )
@@ -403,7 +405,7 @@ def test_transformers_serve_and_in_process_target_answer_like_greedy_generate(tm
     regenerate(RegenerateOptions(data=[data], out=local, target=TARGET, settings=settings))
     assert [
         r["messages"] for r in sorted(read_jsonl(local), key=lambda r: int(r["source"].rsplit(":", 1)[1]))
-    ] == expected
+    ] == _greedy_reference(records, 40)
 
 
 def test_in_process_target_batches_prompts_and_answers_like_greedy_generate(tmp_path, monkeypatch):
@@ -442,7 +444,9 @@ def test_rows_that_finish_leave_the_batch_and_the_others_answer_as_alone():
     from dflash_cache.regenerate.local import _Replica
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        TARGET, dtype=generation_dtype("cpu")
+    ).eval()  # as the in-process target
     prompts = [
         tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
         for r in _bundled([1, 2, 3, 4, 5])
@@ -485,7 +489,9 @@ def test_requests_arriving_while_a_long_answer_runs_start_at_once_and_answer_as_
     from dflash_cache.regenerate.local import LocalTarget
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        TARGET, dtype=generation_dtype("cpu")
+    ).eval()  # as the in-process target
     records = _bundled([1, 2, 3])
     prompts = [r["messages"][:1] for r in records]
 
