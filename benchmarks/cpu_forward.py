@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_cache.target.precision import cpu_bf16_is_fast, forward_dtype
+from dflash_cache.target.precision import cpu_bf16_is_fast, forward_dtype, product_seconds
 from dflash_cache.target.varlen import ATTENTION
 
 
@@ -47,7 +47,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--dtypes", default="bfloat16")
     args = parser.parse_args()
-    print(f"bf16 products fast on this CPU: {cpu_bf16_is_fast()} (extract runs the target in {forward_dtype('cpu')})")
+    probe = {name: product_seconds(getattr(torch, name)) * 1e3 for name in ("bfloat16", "float32")}
+    print(
+        f"target/precision.py's probe: bf16 {probe['bfloat16']:.2f} ms, fp32 {probe['float32']:.2f} ms; "
+        f"bf16 products fast on this CPU: {cpu_bf16_is_fast()} (extract runs the target in {forward_dtype('cpu')})"
+    )
     for name in args.dtypes.split(","):
         for attention, times in timed_forwards(args.target, args.tokens, args.runs, getattr(torch, name)).items():
             print(f"{name} {attention}: {', '.join(f'{t:.1f}' for t in times)} s")

@@ -14,7 +14,8 @@ PROBE_SIZE = 256  # a product of two 256 x 256 matrices: nothing beside loading 
 SLOW_RATIO = 2.0  # bf16 slower than fp32 by more than this: emulated
 
 
-def _product_seconds(dtype: torch.dtype) -> float:
+def product_seconds(dtype: torch.dtype) -> float:
+    """Three products of two PROBE_SIZE x PROBE_SIZE matrices in `dtype`, after one untimed."""
     x = torch.ones(PROBE_SIZE, PROBE_SIZE, dtype=dtype)
     x @ x  # the first call pays for the kernel's setup
     start = time.perf_counter()
@@ -25,7 +26,7 @@ def _product_seconds(dtype: torch.dtype) -> float:
 
 @functools.cache
 def cpu_bf16_is_fast() -> bool:
-    return _product_seconds(torch.bfloat16) <= SLOW_RATIO * _product_seconds(torch.float32)
+    return product_seconds(torch.bfloat16) <= SLOW_RATIO * product_seconds(torch.float32)
 
 
 def forward_dtype(device: str | torch.device) -> torch.dtype:

@@ -60,10 +60,6 @@ class MuonAdamW:
     def param_groups(self) -> list[dict]:
         return [group for part in self.parts for group in part.param_groups]
 
-    @property
-    def state(self) -> dict:
-        return {p: s for part in self.parts for p, s in part.state.items()}
-
     def step(self) -> None:
         for part in self.parts:
             part.step()

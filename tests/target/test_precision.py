@@ -19,7 +19,7 @@ LENGTHS = [40, 23, 57]
 @pytest.mark.parametrize(("bf16_seconds", "expected"), [(0.5, torch.float32), (0.0015, torch.bfloat16)])
 def test_the_cpu_forward_is_fp32_where_bf16_products_are_slow(monkeypatch, bf16_seconds, expected):
     precision.cpu_bf16_is_fast.cache_clear()
-    monkeypatch.setattr(precision, "_product_seconds", lambda dtype: 0.001 if dtype == torch.float32 else bf16_seconds)
+    monkeypatch.setattr(precision, "product_seconds", lambda dtype: 0.001 if dtype == torch.float32 else bf16_seconds)
     assert precision.forward_dtype("cpu") == expected
     assert precision.forward_dtype("cuda:0") == torch.bfloat16  # never measured on a GPU
     precision.cpu_bf16_is_fast.cache_clear()
