@@ -13,7 +13,8 @@ def command(**options):
     when the step needs it (the coupled baseline); everything after the source is the same.
 
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
-    checkpoint into the reference layout. The step runs under bf16 autocast; checkpoints hold fp32
+    checkpoint into the reference layout. The step runs under bf16 autocast (in fp32 on a CPU that
+    computes bf16 products slowly); checkpoints hold fp32
     weights. On a GPU, AdamW keeps fp32 masters of the matrices, which the drafter uses as bf16 copies
     (their gradients, summed over --grad-accum and averaged over GPUs, are bf16).
     """

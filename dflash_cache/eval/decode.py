@@ -29,6 +29,7 @@ import torch
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.target.kvcache import cache_kwargs, crop_cache, new_cache, returned_cache
+from dflash_cache.target.precision import drafter_autocast
 from dflash_cache.target.runner import TargetRunner
 
 # (tokens [a+1] int64 ending with the newest token, context features [a, L*H] bf16) -> drafts [B-1] int64
@@ -131,7 +132,7 @@ def block_drafter(drafter: DFlashDrafter) -> Drafter:
             seq_ids=torch.zeros(n, dtype=torch.long, device=device),
             anchors=torch.tensor([n - 1], device=device),
         )
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with drafter_autocast(device):
             states = drafter.block_states(inputs)[0, 1:]  # slots 1 .. B-1
         return (states.to(lm_head.dtype) @ lm_head.T).float().argmax(-1)
 

@@ -25,6 +25,7 @@ from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.errors import JSON_FILE_ERRORS, DFlashCacheError
+from dflash_cache.target.precision import forward_dtype
 from dflash_cache.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dflash_cache.train.rundir import RUN_FILE
 
@@ -130,10 +131,10 @@ def build_drafter(
     device: torch.device | str,
     attention: str = "flex",
 ) -> DFlashDrafter:
-    """The drafter in fp32 on `device` (it runs under bf16 autocast, as in training), with `head`; built
+    """The drafter in fp32 on `device` (it runs under `drafter_autocast`, as in training), with `head`; built
     there, so that its random initialisation, which the checkpoint overwrites, costs no host minute."""
     with torch.device(device):
         model = DFlashDrafter(config, attention=attention)
     model.load_state_dict({name: t.float() for name, t in state.items()})
-    model.head = head
+    model.head = head.to(forward_dtype(device))
     return model.to(device).eval().requires_grad_(False)  # the head too

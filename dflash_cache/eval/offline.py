@@ -26,6 +26,7 @@ from dflash_cache.eval.speculative import default_device
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.epochs import EVAL, batch_seed, held_out_batches
 from dflash_cache.stream.loader import Loader
+from dflash_cache.target.precision import drafter_autocast
 from dflash_cache.train.budget import device_defaults, is_out_of_memory, out_of_memory
 
 
@@ -153,7 +154,7 @@ def _keys(opts: OfflineOptions, caches: CacheSet, run: Path | None) -> tuple[lis
 
 def _forward(runner: DrafterRunner, batch, anchors: torch.Tensor, opts: OfflineOptions, device: torch.device):
     try:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with drafter_autocast(device):
             return runner(
                 batch, anchors, gamma=opts.gamma, labels=opts.labels, loss=opts.loss, dpace_alpha=opts.dpace_alpha
             )

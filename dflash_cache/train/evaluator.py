@@ -8,6 +8,7 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.stream.epochs import EVAL, batch_seed, held_out_batches
+from dflash_cache.target.precision import drafter_autocast
 from dflash_cache.train.budget import is_out_of_memory, out_of_memory
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.distributed import Rank, all_reduce_sum
@@ -65,7 +66,7 @@ class Evaluator:
                 generator = torch.Generator(me.device).manual_seed(batch_seed(cfg.seed, EVAL, 0, index))
                 anchors = sample_anchors(batch, self.block_size, cfg.max_anchors, generator, max_total=self.per_batch)
                 try:
-                    with torch.autocast(me.device.type, dtype=torch.bfloat16):
+                    with drafter_autocast(me.device):
                         out = self.runner(
                             batch,
                             anchors,

@@ -17,6 +17,7 @@ from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.integrity import check_target_files
 from dflash_cache.store.subspace import is_subspace
 from dflash_cache.stream.caches import CacheSet
+from dflash_cache.target.precision import forward_dtype
 
 HEAD_FILE = "head.safetensors"
 
@@ -80,13 +81,13 @@ def check_head(caches: CacheSet) -> Path:
 def build_drafter(
     config: DrafterConfig, head: TargetHead, device: torch.device, seed: int, basis: torch.Tensor | None = None
 ) -> DFlashDrafter:
-    """fp32 weights initialised from `seed` on `device` itself (the same on every rank), with the bf16
-    target head; `basis`: a subspace cache's (config.subspace_rank > 0). Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
+    """fp32 weights initialised from `seed` on `device` itself (the same on every rank), with the
+    target head in the dtype the step computes in (target/precision.py); `basis`: a subspace cache's (config.subspace_rank > 0). Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
     on a small CPU before the first step."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = DFlashDrafter(config)
-    model.head = head
+    model.head = head.to(forward_dtype(device))
     if config.subspace_rank:
         if basis is None:
             raise DFlashCacheError("this drafter reads subspace coordinates: train it on a subspace-coded cache")

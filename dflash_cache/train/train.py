@@ -1,12 +1,13 @@
 """`train`: DFlash drafter training from one or more caches (or a live target), top to bottom.
 
-Precision: forward and backward run under bf16 autocast; AdamW's state and arithmetic are fp32, and so
+Precision: forward and backward run under bf16 autocast (in fp32 on a CPU slow at bf16 products:
+target/precision.py); AdamW's state and arithmetic are fp32, and so
 are the weights a checkpoint stores. On the CPU the weights and gradients are fp32. On a GPU AdamW's
 update is compiled (train/optim.py CompiledAdamW) and holds the fp32 master of each matrix, whose bf16
 copy is the model's weight: matrix gradients are bf16, and so are their sums over micro-batches
 (--grad-accum) and their averages over ranks; norm weights stay fp32. With --optimizer muon (torch's
 Muon) every weight and gradient stays fp32, on a GPU too. The frozen target head (embeddings, LM head)
-is bf16.
+is in the step's dtype.
 
 Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
 so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
@@ -43,6 +44,7 @@ from dflash_cache.stream.epochs import (
     batch_seed,
 )
 from dflash_cache.stream.follow import FollowPlan
+from dflash_cache.target.precision import drafter_autocast
 from dflash_cache.train.budget import (
     GPU_SHARE,
     available_bytes,
@@ -481,7 +483,7 @@ def train_step(
         sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         try:
             with sync:
-                with torch.autocast(me.device.type, dtype=torch.bfloat16):
+                with drafter_autocast(me.device):
                     out = runner(
                         batch, anchors, gamma=cfg.gamma, labels=cfg.labels, loss=cfg.loss, dpace_alpha=cfg.dpace_alpha
                     )

@@ -1,5 +1,5 @@
 """The target's forward dtype: bf16, except on a CPU that computes bf16 products slowly, where the forward
-runs in fp32 (the plan line says so); the cache stores bf16 states either way."""
+runs in fp32 (the plan line says so); the cache stores bf16 states either way. A drafter's step likewise."""
 
 import json
 
@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from dflash_cache import open_cache
+from dflash_cache.drafter.runner import DrafterRunner
 from dflash_cache.extract import worker
 from dflash_cache.extract.events import ExtractEvents
 from dflash_cache.extract.pipeline import ExtractOptions, extract
 from dflash_cache.target import precision
+from dflash_cache.train.train import train
 from tests.support.tiny import build_target
+from tests.support.train import make_cache, tiny_train_config
 
 LENGTHS = [40, 23, 57]
 
@@ -53,3 +56,18 @@ def test_extraction_runs_its_target_in_the_forward_dtype_and_says_so(monkeypatch
     assert ("in float32" in plans[0]) == (not fast), plans[0]
     cache = open_cache(tmp_path / "cache")
     assert cache.spec["hidden_dtype"] == "bfloat16" and cache[0].hidden.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_training_steps_in_fp32_where_bf16_products_are_slow(monkeypatch, tmp_path, fast):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: fast)
+    seen = []
+    real_call = DrafterRunner.__call__
+
+    def call(self, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), self.drafter.head.lm_head.dtype))
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterRunner, "__call__", call)
+    train(tiny_train_config(tmp_path, make_cache(tmp_path / "cache"), steps=2), echo=lambda *a, **k: None)
+    assert seen and set(seen) == {(True, torch.bfloat16) if fast else (False, torch.float32)}
