@@ -22,6 +22,7 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.target.info import SUPPORTED, TargetInfo
 from dflash_cache.target.parallel import Weights, plan_weights
+from dflash_cache.target.sink_attention import ATTENTION as SINKS_FLEX
 
 # Families whose every layer is one of the kinds `packed_support` checks, with attention through
 # transformers' attention interface and rotary positions from `position_ids`; each is run packed
@@ -109,26 +110,15 @@ def choose_batching(config, batching: str, max_length: int) -> Batching:
 
 def padded_attention(config, device: str | torch.device) -> str:
     """transformers' attention implementation for padded batches: SDPA where the family has it, else
-    flex attention on a GPU (it keeps no [T, T] scores per head; gpt-oss's sinks are in it there),
-    else the eager one. Read from the model class's declared support, not from a version."""
+    flex attention on a GPU (it keeps no [T, T] scores per head), through target/sink_attention.py,
+    which keeps gpt-oss's sinks exact; else the eager one. Read from the model class's declared support,
+    not from a version."""
     cls = model_class(config)
     if getattr(cls, "_supports_sdpa", False):
         return "sdpa"
     if torch.device(device).type == "cuda" and getattr(cls, "_supports_flex_attn", False):
-        return "flex_attention"
+        return SINKS_FLEX
     return "eager"
-
-
-# Inductor lowers flex attention over fewer than 128 query tokens to its decoding kernel, which sizes
-# a query block as those tokens times the query heads per key head and has no configuration left once
-# that passes 128 (a padded batch of short gpt-oss samples, 8 query heads a key head: NoValidChoicesError);
-# the main kernel takes any length.
-FLEX_KERNEL_OPTIONS = {"BACKEND": "TRITON"}
-
-
-def attention_kwargs(attention: str) -> dict:
-    """What a forward passes through to transformers' attention function `attention`."""
-    return {"kernel_options": FLEX_KERNEL_OPTIONS} if attention == "flex_attention" else {}
 
 
 def _varlen_takes_window() -> bool:

@@ -12,7 +12,6 @@ import torch
 
 from dflash_cache.data.dataset import Sample
 from dflash_cache.target.batch import ForwardBatch, padded_rows, to_device
-from dflash_cache.target.families import attention_kwargs
 from dflash_cache.target.fused import fused_kernels
 from dflash_cache.target.kvcache import Cache, cache_kwargs
 from dflash_cache.target.target import Target
@@ -94,7 +93,6 @@ class TargetRunner:
                     input_ids=input_ids,
                     **cache_kwargs(self.target.base, cache),
                     **fb.forward_kwargs(),
-                    **attention_kwargs(self.target.attention),
                 )
         except _StopForward:
             out = None
