@@ -97,6 +97,13 @@ VARIANTS = {
         "muon, the rate decayed to 0 after 1 warm-up step",
         train=("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1", "--min-lr-ratio", "0", "--warmup", "1"),
     ),
+    "muon-to0-512": Variant(
+        "muon-to0, at most 512 blocks per batch",
+        train=(
+            *("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1", "--min-lr-ratio", "0", "--warmup", "1"),
+            *("--anchors-per-batch", "512"),
+        ),
+    ),
     "adamw-to0": Variant(
         "AdamW at lr 1e-3 decayed to 0 after 1 warm-up step",
         train=("--lr", "1e-3", "--min-lr-ratio", "0", "--warmup", "1"),
