@@ -18,9 +18,9 @@ SLOW_RATIO = 2.0  # bf16 slower than fp32 by more than this: emulated
 def product_seconds(dtype: torch.dtype) -> float:
     """The fastest of PROBE_REPEATS products of two PROBE_SIZE x PROBE_SIZE matrices in `dtype` on one
     thread, after one untimed. A busy machine must not change the answer between processes (a resumed
-    run computes as the run it resumes): on several threads a product waits for a thread the machine
-    has descheduled, which cost an fp32 product 40 times its time under load, and the fastest of
-    several discards the other pauses."""
+    run computes as the run it resumes): on several threads a product waits for any thread the machine
+    has descheduled, which under load made fp32 products look as slow as emulated bf16 ones, and the
+    fastest of several discards the other pauses."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
