@@ -4,8 +4,8 @@ A sink is one more logit per head in each query's softmax, with no value behind 
 attention over the real keys is scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink),
 where lse is the log-sum-exp of the real scores that flex attention returns in fp32. transformers'
 own flex path rounds lse to the model's dtype (bf16: 8 significant bits) before that step, and the
-scale with it. Registered with transformers' attention and mask
-interfaces, so the model builds the block mask that flex attention takes.
+scale with it. Registered with transformers' attention and mask interfaces, so the model builds the
+block mask that flex attention takes.
 """
 
 from __future__ import annotations

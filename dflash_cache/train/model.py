@@ -82,8 +82,9 @@ def build_drafter(
     config: DrafterConfig, head: TargetHead, device: torch.device, seed: int, basis: torch.Tensor | None = None
 ) -> DFlashDrafter:
     """fp32 weights initialised from `seed` on `device` itself (the same on every rank), with the
-    target head in the dtype the step computes in (target/precision.py); `basis`: a subspace cache's (config.subspace_rank > 0). Drawn on the host and copied over, a 27B drafter's 1.73 B weights took tens of seconds
-    on a small CPU before the first step."""
+    target head in the dtype the step computes in (target/precision.py); `basis`: a subspace cache's
+    (config.subspace_rank > 0). Drawn on the host and copied over, a 27B drafter's 1.73 B weights took
+    tens of seconds on a small CPU before the first step."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = DFlashDrafter(config)
