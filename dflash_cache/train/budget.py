@@ -1,11 +1,13 @@
 """What a drafter step costs in memory, the device-dependent defaults, and the check that a step fits.
 
 The estimate counts, for the plan's most demanding batch (N tokens, at most A anchors, Q = A x block
-queries): fp32 weights (with gradients and two AdamW moments when training), the bf16 target head,
-the packed hidden states, per decoder layer the activations kept for backward (the queries'
+queries): fp32 weights (with gradients and two AdamW moments when training), the target head in the
+step's dtype, the packed hidden states, per decoder layer the activations kept for backward (the queries'
 projections, norms and MLP, the context keys and values), the dense-mask attention's memory per
 (query, key) pair on the CPU (a GPU runs flex-attention, which holds no such grid), and the chunked
-LM-head logits. It is an estimate, to refuse a budget that cannot fit before the first step.
+LM-head logits. The step's dtype is bf16, or fp32 on a CPU slow at bf16 products (target/precision.py),
+which doubles the head and the activations that autocast would keep in bf16. It is an estimate, to refuse
+a budget that cannot fit before the first step.
 """
 
 from __future__ import annotations
@@ -63,19 +65,22 @@ def batch_anchors(lengths: Sequence[int], block_size: int, max_anchors: int, per
     return most if per_batch is None else min(most, per_batch)
 
 
-def activation_bytes(config: DrafterConfig, tokens: int, anchors: int, dense_mask: bool, training: bool) -> int:
+def activation_bytes(
+    config: DrafterConfig, tokens: int, anchors: int, dense_mask: bool, training: bool, work: int = BF16
+) -> int:
+    """`work`: the bytes of an element of the step's dtype."""
     h, f = config.hidden_size, config.intermediate_size
     q_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
     q, n = anchors * config.block_size, tokens
-    inputs = n * len(config.target_layer_ids) * config.target_hidden_size * BF16 + n * h * (BF16 + FP32)
+    inputs = n * len(config.target_layer_ids) * config.target_hidden_size * BF16 + n * h * (work + FP32)
     # Per layer and query: the residual and norms (fp32 inside RMSNorm), q and its norm and rotation,
     # the attention output, the MLP's gate, up, activation and product, with their temporaries; per
     # context and block key: k and v projected, normed and rotated.
-    per_layer = q * (6 * h * FP32 + 6 * q_width * BF16 + 6 * f * BF16) + (n + q) * kv_width * 4 * BF16
+    per_layer = q * (6 * h * FP32 + 6 * q_width * work + 6 * f * work) + (n + q) * kv_width * 4 * work
     layers = config.num_hidden_layers if training else 1  # no_grad keeps one layer's live at a time
     pairs = q * (n + q) * DENSE_PAIR_BYTES if dense_mask else 0
-    logits = 2 * min(q * config.vocab_size * FP32, LOGITS_PER_CHUNK * FP32) + q * h * BF16
+    logits = 2 * min(q * config.vocab_size * FP32, LOGITS_PER_CHUNK * FP32) + q * h * work
     return inputs + layers * per_layer + pairs + logits
 
 
@@ -87,15 +92,16 @@ def estimate_step_memory(
     device_type: str,
     training: bool,
     per_batch: int | None = None,
+    work: int = BF16,
 ) -> StepMemory:
-    """`batches`: the lengths of each batch's sequences (the plan's); `per_batch`: a cap on a batch's anchors.
-    The CPU attends through a dense mask."""
+    """`batches`: the lengths of each batch's sequences (the plan's); `per_batch`: a cap on a batch's anchors;
+    `work`: the bytes of an element of the step's dtype. The CPU attends through a dense mask."""
     params = parameter_count(config)
     weights = params * (4 * FP32 if training else FP32)
     best = (0, 0, 0)
     for lengths in batches:
         tokens, anchors = sum(lengths), batch_anchors(lengths, config.block_size, max_anchors, per_batch)
-        need = activation_bytes(config, tokens, anchors, dense_mask=device_type == "cpu", training=training)
+        need = activation_bytes(config, tokens, anchors, device_type == "cpu", training, work)
         best = max(best, (need, tokens, anchors))
     return StepMemory(weights, head_bytes, best[0], best[1], best[2])
 
@@ -172,9 +178,9 @@ def check_fits(
         )
 
 
-def head_bytes(config: DrafterConfig) -> int:
-    """The bf16 target head: embeddings and LM head [V, H], final norm [H]."""
-    return (2 * config.vocab_size + 1) * config.hidden_size * BF16
+def head_bytes(config: DrafterConfig, work: int = BF16) -> int:
+    """The target head in the step's dtype (`work` bytes an element): embeddings and LM head [V, H], final norm [H]."""
+    return (2 * config.vocab_size + 1) * config.hidden_size * work
 
 
 def is_out_of_memory(error: BaseException) -> bool:

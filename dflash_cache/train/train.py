@@ -44,7 +44,7 @@ from dflash_cache.stream.epochs import (
     batch_seed,
 )
 from dflash_cache.stream.follow import FollowPlan
-from dflash_cache.target.precision import drafter_autocast
+from dflash_cache.target.precision import drafter_autocast, forward_dtype
 from dflash_cache.train.budget import (
     GPU_SHARE,
     available_bytes,
@@ -415,8 +415,9 @@ def _check_memory(
     echo: Echo | None,
 ) -> None:
     """Refuse a step that would not fit the device, before the drafter is built."""
+    work = forward_dtype(me.device).itemsize
     memory = estimate_step_memory(
-        config, head_bytes(config), lengths, cfg.max_anchors, me.device.type, training=True, per_batch=per_batch
+        config, head_bytes(config, work), lengths, cfg.max_anchors, me.device.type, True, per_batch, work
     )
     have, what = available_bytes(me.device)
     if echo is not None:

@@ -13,6 +13,7 @@ from dflash_cache import DFlashCacheError
 from dflash_cache.drafter.config import DrafterConfig
 from dflash_cache.drafter.defaults import choose_mask_token, describe_drafter, parameter_count, target_drafter_config
 from dflash_cache.drafter.reference import config_from_reference, config_to_reference
+from dflash_cache.target import precision
 from dflash_cache.train import budget
 from dflash_cache.train.budget import (
     GPU_SHARE,
@@ -177,6 +178,26 @@ def test_train_refuses_before_the_first_step(tmp_path, cache, monkeypatch):
         not (tmp_path / "run" / "metrics.jsonl").exists()
         or "loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()
     )
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_estimate_counts_the_head_and_activations_in_the_steps_dtype(tmp_path, cache, monkeypatch, fast):
+    """A CPU slow at bf16 steps in fp32 (target/precision.py): the head it holds is twice the bf16 one."""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: fast)
+    seen = []
+
+    def record(config, *args, **kwargs):
+        seen.append((config, budget.estimate_step_memory(config, *args, **kwargs)))
+        raise DFlashCacheError("stop before the first step")
+
+    monkeypatch.setattr("dflash_cache.train.train.estimate_step_memory", record)
+    with pytest.raises(DFlashCacheError, match="stop before"):
+        train(tiny_train_config(tmp_path, cache, steps=2), echo=lambda s: None)
+    ((config, estimate),) = seen
+    element = 2 if fast else 4  # bytes of a bf16 or an fp32 value
+    assert estimate.head == (2 * config.vocab_size + 1) * config.hidden_size * element
+    bf16_activations = budget.activation_bytes(config, estimate.tokens, estimate.blocks, True, True)
+    assert (estimate.activations == bf16_activations) == fast and estimate.activations >= bf16_activations
 
 
 def test_estimate_grows_with_the_budget(cache):
