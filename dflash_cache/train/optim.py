@@ -8,6 +8,8 @@ import math
 import torch
 
 from dflash_cache.choices import OPTIMIZERS
+from dflash_cache.target.precision import forward_dtype
+from dflash_cache.train.muon import Muon
 
 
 def build_optimizer(
@@ -32,8 +34,8 @@ def build_optimizer(
 
 
 class MuonAdamW:
-    """torch.optim.Muon over the drafter's matrices (each update orthogonalised, its size matched to
-    AdamW's update RMS at the same rate: adjust_lr_fn="match_rms_adamw") and torch.optim.AdamW over
+    """torch's Muon over the drafter's matrices (each update orthogonalised, in the step's dtype: train/muon.py;
+    its size matched to AdamW's update RMS at the same rate: adjust_lr_fn="match_rms_adamw") and torch.optim.AdamW over
     its vectors, undecayed, stepped as one optimizer: the schedule sets both parts' rates through
     `param_groups`, and `state_dict` is torch's layout with the parameters numbered across the parts.
     Every matrix here is 2-D (Muon takes nothing else) and none is the frozen embedding or LM head."""
@@ -49,10 +51,8 @@ class MuonAdamW:
     ):
         self.parts: list[torch.optim.Optimizer] = []
         if matrices:
-            muon = torch.optim.Muon(
-                matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw"
-            )
-            self.parts.append(muon)
+            ns_dtype = forward_dtype(matrices[0].device)
+            self.parts.append(Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_dtype=ns_dtype))
         if vectors:
             self.parts.append(torch.optim.AdamW(vectors, lr=lr, betas=betas, weight_decay=0.0))
 

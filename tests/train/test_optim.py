@@ -9,6 +9,7 @@ from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.checkpoint import WEIGHTS_FILE
 from dflash_cache.drafter.inputs import DraftInputs
 from dflash_cache.drafter.model import DFlashDrafter
+from dflash_cache.target import precision
 from dflash_cache.train.checkpoint import load_checkpoint, rng_state, save_checkpoint
 from dflash_cache.train.optim import (
     CompiledAdamW,
@@ -265,9 +266,11 @@ def test_training_on_bf16_matrices_follows_fp32_weights_under_autocast(lr):
     assert losses(True) == pytest.approx(losses(False), rel=20 * 64 * 2**-24)
 
 
-def test_muon_adamw_steps_as_torchs_muon_on_the_matrices_and_adamw_on_the_vectors():
+def test_muon_adamw_steps_as_torchs_muon_on_the_matrices_and_adamw_on_the_vectors(monkeypatch):
     """Each part makes the step its torch optimizer makes alone, at the schedule's rate: Muon with the
-    RMS-matched rate and the weight decay on every 2-D weight, AdamW undecayed on the biases and norms."""
+    RMS-matched rate and the weight decay on every 2-D weight, AdamW undecayed on the biases and norms.
+    (Where bf16 is slow, Muon orthogonalises in fp32 instead: tests/train/test_muon.py.)"""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 5))
     reference = copy.deepcopy(model)
