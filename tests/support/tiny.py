@@ -116,8 +116,9 @@ def target_config(arch: str, vocab_size: int, num_layers: int = 6, hidden: int =
     if arch == "gpt_oss":
         # YaRN stretching the 2,048 positions from 64, so that its factor is the one it states
         rope = dict(GptOssConfig().rope_parameters, original_max_position_embeddings=64)
-        # Every token takes every expert, weighted by its router: a bf16 rounding step cannot flip which
-        # experts a token takes (on a GPU it flipped one token of 138 even with the sharpened router).
+        # Every token takes every expert, weighted by its router, so no rounding step can change which
+        # experts a token takes. With 2 of 4, one token's second and third router logits were equal in
+        # bf16 even with the sharpened router, and on a GPU that token took the other expert.
         return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=4, rope_parameters=rope, **sliding)
     raise ValueError(arch)
 
