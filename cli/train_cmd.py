@@ -14,9 +14,9 @@ def command(**options):
 
     Writes metrics.jsonl, TensorBoard files and checkpoints to --out; `dflash-cache export` turns a
     checkpoint into the reference layout. The step runs under bf16 autocast (in fp32 on a CPU that
-    computes bf16 products slowly); checkpoints hold fp32
-    weights. On a GPU, AdamW keeps fp32 masters of the matrices, which the drafter uses as bf16 copies
-    (their gradients, summed over --grad-accum and averaged over GPUs, are bf16).
+    computes bf16 products slowly); weights, gradients and checkpoints are fp32, except with
+    --optimizer adamw on a GPU, where AdamW keeps fp32 masters of the matrices, which the drafter uses as
+    bf16 copies (their gradients, summed over --grad-accum and averaged over GPUs, are bf16).
     """
     config = TrainConfig(**options)
     from dflash_cache.train.train import train

@@ -61,7 +61,6 @@ class DemoOptions:
     # batch, so its cost grows with the square of the batch.
     token_budget: int = 1024
     max_anchors: int = 32
-    lr: float = 5e-3
     seed: int = 0
     eval_prompts: int = 8
     max_new_tokens: int = 64
@@ -196,7 +195,6 @@ def _train(
             steps=opts.steps,
             gpus=[0] if torch.cuda.is_available() else None,
             token_budget=opts.token_budget,
-            lr=opts.lr,
             max_anchors=opts.max_anchors,
             eval_fraction=0.0,
             save_every=opts.steps,

@@ -1,7 +1,7 @@
 """What a drafter step costs in memory, the device-dependent defaults, and the check that a step fits.
 
 The estimate counts, for the plan's most demanding batch (N tokens, at most A anchors, Q = A x block
-queries): fp32 weights (with gradients and two AdamW moments when training), the target head in the
+queries): fp32 weights (with gradients and two AdamW moments when training; Muon keeps one), the target head in the
 step's dtype, the packed hidden states, per decoder layer the activations kept for backward (the queries'
 projections, norms and MLP, the context keys and values), the dense-mask attention's memory per
 (query, key) pair on the CPU (a GPU runs flex-attention, which holds no such grid), and the chunked

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.choices import DEFAULT_LOSS, DPACE_ALPHA, LAYER_RULE, LOSSES, OPTIMIZERS
+from dflash_cache.choices import (
+    DEFAULT_LOSS,
+    DEFAULT_OPTIMIZER,
+    DPACE_ALPHA,
+    LAYER_RULE,
+    LOSSES,
+    OPTIMIZER_DEFAULTS,
+    OPTIMIZERS,
+)
 from dflash_cache.console.options import option
 from dflash_cache.errors import DFlashCacheError
 from dflash_cache.store.pool import DEFAULT_MAX_OPEN_SHARDS
@@ -16,6 +24,11 @@ from dflash_cache.store.remote import is_remote
 GPU_DEFAULTS = (49152, 512)
 CPU_DEFAULTS = (2048, 8)
 LIVE = "With --live-target: "
+
+
+def per_optimizer(index: int) -> str:
+    """`--help`'s words for an option whose default depends on --optimizer (OPTIMIZER_DEFAULTS[name][index])."""
+    return ", ".join(f"{values[index]:g} with {name}" for name, values in OPTIMIZER_DEFAULTS.items())
 
 
 @dataclass(kw_only=True)
@@ -100,19 +113,21 @@ class TrainConfig:
         ),
     )
     optimizer: str = field(
-        default=OPTIMIZERS[0],
+        default=DEFAULT_OPTIMIZER,
         metadata=option(
-            "adamw, or muon: torch's Muon over the drafter's matrices (speculators' default optimizer) and "
-            "AdamW over its norms; try it with --lr 1e-3 --weight-decay 0.1.",
+            "muon: torch's Muon over the drafter's matrices and AdamW over its norms, as speculators 0.9.0 "
+            "trains; or adamw over both.",
             choices=OPTIMIZERS,
         ),
     )
-    lr: float = field(default=6e-4, metadata=option("Peak learning rate."))
+    lr: float | None = field(default=None, metadata=option(f"Peak learning rate. Default: {per_optimizer(0)}."))
     warmup: int | None = field(
         default=None, metadata=option("Linear warmup steps before the cosine decay. Default: 4% of the run.")
     )
     min_lr_ratio: float = field(default=0.1, metadata=option("The cosine ends at lr times this."))
-    weight_decay: float = field(default=0.01, metadata=option("Weight decay of the matrices (norms: none)."))
+    weight_decay: float | None = field(
+        default=None, metadata=option(f"Weight decay of the matrices (norms: none). Default: {per_optimizer(1)}.")
+    )
     grad_clip: float = field(default=1.0, metadata=option("Clip the gradient norm to this."))
     grad_accum: int = field(
         default=1,
@@ -239,6 +254,13 @@ class TrainConfig:
         ),
     )
 
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise DFlashCacheError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        lr, weight_decay = OPTIMIZER_DEFAULTS[self.optimizer]
+        self.lr = lr if self.lr is None else self.lr
+        self.weight_decay = weight_decay if self.weight_decay is None else self.weight_decay
+
     def check(self) -> None:
         self.check_source()
         positive = {
@@ -292,8 +314,6 @@ class TrainConfig:
             raise DFlashCacheError(f"--gamma must be positive (got {self.gamma})")
         if self.grad_clip <= 0:  # a negative norm would flip the gradients' sign
             raise DFlashCacheError(f"--grad-clip must be positive (got {self.grad_clip})")
-        if self.optimizer not in OPTIMIZERS:
-            raise DFlashCacheError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
         if self.weight_decay < 0:
             raise DFlashCacheError(f"--weight-decay must be at least 0 (got {self.weight_decay})")
         if not 0 <= self.min_lr_ratio <= 1:

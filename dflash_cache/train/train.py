@@ -1,13 +1,13 @@
 """`train`: DFlash drafter training from one or more caches (or a live target), top to bottom.
 
 Precision: forward and backward run under bf16 autocast (in fp32 on a CPU slow at bf16 products:
-target/precision.py); AdamW's state and arithmetic are fp32, and so
-are the weights a checkpoint stores. On the CPU the weights and gradients are fp32. On a GPU AdamW's
-update is compiled (train/optim.py CompiledAdamW) and holds the fp32 master of each matrix, whose bf16
-copy is the model's weight: matrix gradients are bf16, and so are their sums over micro-batches
-(--grad-accum) and their averages over ranks; norm weights stay fp32. With --optimizer muon (torch's
-Muon) every weight and gradient stays fp32, on a GPU too. The frozen target head (embeddings, LM head)
-is in the step's dtype.
+target/precision.py); the optimizer's state and arithmetic are fp32, and so are the weights a
+checkpoint stores. With --optimizer muon (the default: torch's Muon) every weight and gradient stays
+fp32. With --optimizer adamw the CPU keeps fp32 weights and gradients; on a GPU AdamW's update is
+compiled (train/optim.py CompiledAdamW) and holds the fp32 master of each matrix, whose bf16 copy is the
+model's weight: matrix gradients are bf16, and so are their sums over micro-batches (--grad-accum) and
+their averages over ranks; norm weights stay fp32. The frozen target head (embeddings, LM head) is in
+the step's dtype.
 
 Every random draw of a step (the anchors of each batch) is seeded by (seed, epoch, plan position),
 so a run's losses depend neither on the number of ranks (for the same ranks x grad-accum) nor on
@@ -339,7 +339,7 @@ class Trainer:
                     else "the first step compiles the drafter's regions (decoder layers, context projection, loss) for "
                     "dynamic shapes, once for every batch shape"
                 )
-                + ", and AdamW's update"
+                + (", and AdamW's update" if cfg.optimizer == "adamw" else "")
             )
         return runner, anchor_budget or self.per_batch
 

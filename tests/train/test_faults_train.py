@@ -144,22 +144,25 @@ def test_full_disk_while_a_checkpoint_is_written_names_the_run_and_resumes_equal
     assert losses(tmp_path / "after-then" / "run") == whole
 
 
-def first_exp_avg(checkpoint):
-    """The safetensors key of the first parameter's exp_avg (train_state.json maps the structure to keys)."""
+def first_moment(checkpoint) -> tuple[str, str]:
+    """The name (exp_avg, or Muon's momentum_buffer) and safetensors key of the first parameter's first
+    optimizer moment (train_state.json maps the structure to keys)."""
 
     def entry(node, key):
         return dict(node["dict"])[key]
 
     structure = json.loads((checkpoint / "train_state.json").read_text())
-    moments = entry(entry(structure, "optimizer"), "state")["dict"][0][1]
-    return entry(moments, "exp_avg")["tensor"]
+    name, moment = next(
+        (k, v) for k, v in entry(entry(structure, "optimizer"), "state")["dict"][0][1]["dict"] if "tensor" in v
+    )
+    return name, moment["tensor"]
 
 
 @pytest.mark.parametrize(
     "damage, match",
     [
-        (lambda t: t.flatten()[:3].clone(), r"optimizer state exp_avg of \S+ is \[3\], the parameter is \[\d+"),
-        (lambda t: torch.full_like(t, float("nan")), r"optimizer state exp_avg of \S+ holds non-finite values"),
+        (lambda t: t.flatten()[:3].clone(), r"optimizer state {} of \S+ is \[3\], the parameter is \[\d+"),
+        (lambda t: torch.full_like(t, float("nan")), r"optimizer state {} of \S+ holds non-finite values"),
     ],
 )
 def test_a_damaged_optimizer_state_is_named_with_its_checkpoint_before_the_first_step(setup, tmp_path, damage, match):
@@ -172,7 +175,8 @@ def test_a_damaged_optimizer_state_is_named_with_its_checkpoint_before_the_first
         shutil.rmtree(run / "checkpoints" / f"step-{step}")
     state_file = run / "checkpoints" / "step-2" / "train_state.safetensors"
     tensors = load_file(state_file)
-    key = first_exp_avg(state_file.parent)
+    name, key = first_moment(state_file.parent)
+    match = match.format(name)
     tensors[key] = damage(tensors[key])
     save_file(tensors, state_file)
     result = invoke(*train_args(cache, drafter, run, "--resume"))

@@ -11,6 +11,7 @@ from dflash_cache import DFlashCacheError
 from dflash_cache.stream.caches import CacheSet
 from dflash_cache.stream.loader import ReaderError
 from dflash_cache.train.checkpoint import COMPLETE, latest_checkpoint
+from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.train import train
 from tests.support.train import drafter_json, losses, make_cache, metrics, tiny_train_config
 
@@ -52,17 +53,36 @@ def test_default_loss_is_dpace_and_a_run_of_dflash_resumes_only_with_it(tmp_path
     train(tiny_train_config(tmp_path, cache, out="dflash", steps=1, resume=True, loss="dflash"))  # finished: says so
 
 
-def test_muon_trains_from_the_same_first_loss_and_its_run_resumes_only_with_it(tmp_path, cache):
-    """--optimizer muon: the first step's loss is AdamW's (same weights, same batch), the steps after
-    differ; the run records its optimizer and resuming it under the default is refused."""
-    for name, optimizer in (("adamw", "adamw"), ("muon", "muon")):
-        train(tiny_train_config(tmp_path, cache, out=name, steps=3, save_every=1, optimizer=optimizer))
-    adamw, muon = losses(tmp_path / "adamw"), losses(tmp_path / "muon")
-    assert adamw[0] == muon[0] and adamw[1:] != muon[1:] and all(math.isfinite(x) for x in muon)
-    assert json.loads((tmp_path / "muon" / "run.json").read_text())["options"]["optimizer"] == "muon"
+def test_default_optimizer_is_muon_and_a_run_of_adamw_resumes_only_with_it(tmp_path, cache):
+    """With no optimizer named, the steps after the first are Muon's (the first loss is the same
+    weights on the same batch). A run trained with adamw records no optimizer (as the runs from before
+    muon was the default), and resuming it under the default is refused; with --optimizer adamw it is
+    accepted."""
+    for name, optimizer in (("default", None), ("muon", "muon"), ("adamw", "adamw")):
+        options = {"optimizer": optimizer} if optimizer else {}
+        train(tiny_train_config(tmp_path, cache, out=name, steps=3, save_every=1, **options))
+    default, muon, adamw = (losses(tmp_path / name) for name in ("default", "muon", "adamw"))
+    assert default == muon and adamw[0] == muon[0] and adamw[1:] != muon[1:] and all(map(math.isfinite, muon))
+    assert json.loads((tmp_path / "default" / "run.json").read_text())["options"]["optimizer"] == "muon"
+    assert "optimizer" not in json.loads((tmp_path / "adamw" / "run.json").read_text())["options"]
     with pytest.raises(DFlashCacheError, match="different config.*optimizer"):
-        train(tiny_train_config(tmp_path, cache, out="muon", steps=3, resume=True))
-    train(tiny_train_config(tmp_path, cache, out="muon", steps=3, resume=True, optimizer="muon"))  # finished
+        train(tiny_train_config(tmp_path, cache, out="adamw", steps=3, resume=True))
+    train(tiny_train_config(tmp_path, cache, out="adamw", steps=3, resume=True, optimizer="adamw"))  # finished
+
+
+@pytest.mark.parametrize(
+    ("options", "lr", "weight_decay"),
+    [
+        ({}, 1e-3, 0.1),
+        ({"optimizer": "muon"}, 1e-3, 0.1),
+        ({"optimizer": "adamw"}, 6e-4, 0.01),
+        ({"optimizer": "adamw", "lr": 2e-3}, 2e-3, 0.01),
+        ({"weight_decay": 0.0}, 1e-3, 0.0),
+    ],
+)
+def test_the_rate_and_weight_decay_default_to_the_optimizers_own(options, lr, weight_decay):
+    config = TrainConfig(caches=["c"], out="r", **options)
+    assert (config.lr, config.weight_decay) == (lr, weight_decay)
 
 
 def test_save_every_zero_writes_no_checkpoint(tmp_path, cache):

@@ -42,7 +42,7 @@ def test_train_then_refuse_to_overwrite_then_resume(tmp_path, setup):
     before = (out / "metrics.jsonl").read_text()
 
     one_line_error(*cli(*options(cache, drafter, out)), "already holds a training run", "--resume")
-    one_line_error(*cli(*options(cache, drafter, out, "--lr", 1e-3, "--resume")), "different config", "lr")
+    one_line_error(*cli(*options(cache, drafter, out, "--lr", 2e-3, "--resume")), "different config", "lr")
     assert (out / "metrics.jsonl").read_text() == before  # nothing overwritten
 
     code, text = cli(*options(cache, drafter, out, "--resume"))  # a finished run: nothing to do, and what next
