@@ -80,33 +80,20 @@ class Variant:
 
 
 VARIANTS = {
-    "base": Variant("block 16, default loss (dpace), lr and anchors, regenerated answers, bf16-zstd"),
+    "base": Variant("block 16, default optimizer (muon), loss (dpace), lr and anchors, regenerated answers, bf16-zstd"),
     "block8": Variant("block 8", block_size=8),
     "anchors32": Variant("at most 32 blocks per sequence", train=("--max-anchors", "32")),
     "anchors512": Variant("at most 512 blocks per batch (speculators' default)", train=("--anchors-per-batch", "512")),
-    "lr2x": Variant("learning rate 1.2e-3 (2x)", train=("--lr", "1.2e-3")),
-    "lrhalf": Variant("learning rate 3e-4 (0.5x)", train=("--lr", "3e-4")),
+    "lr2x": Variant("learning rate 2x the optimizer's default", train=("--lr", "2e-3")),
+    "lrhalf": Variant("learning rate 0.5x the optimizer's default", train=("--lr", "5e-4")),
     "halfdata": Variant("half the conversations, twice the epochs", train=("--eval-fraction", "0.5")),
-    # speculators 0.9.0's optimizer and schedule end (its defaults: Muon at lr 1e-3, weight decay 0.1 on
-    # the matrices; its rate decays linearly to 0 after one step of warm-up), one change at a time
-    "muon": Variant(
-        "Muon on the matrices, lr 1e-3, weight decay 0.1",
-        train=("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1"),
-    ),
-    "muon-to0": Variant(
-        "muon, the rate decayed to 0 after 1 warm-up step",
-        train=("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1", "--min-lr-ratio", "0", "--warmup", "1"),
-    ),
-    "muon-to0-512": Variant(
-        "muon-to0, at most 512 blocks per batch",
-        train=(
-            *("--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.1", "--min-lr-ratio", "0", "--warmup", "1"),
-            *("--anchors-per-batch", "512"),
-        ),
-    ),
-    "adamw-to0": Variant(
-        "AdamW at lr 1e-3 decayed to 0 after 1 warm-up step",
-        train=("--lr", "1e-3", "--min-lr-ratio", "0", "--warmup", "1"),
+    "adamw": Variant("AdamW at lr 6e-4, weight decay 0.01 (the default before muon)", train=("--optimizer", "adamw")),
+    # speculators 0.9.0's schedule end and block cap (its rate decays linearly to 0 after one step of
+    # warm-up; it draws at most 512 blocks a batch), one change at a time
+    "to0": Variant("the rate decayed to 0 after 1 warm-up step", train=("--min-lr-ratio", "0", "--warmup", "1")),
+    "to0-512": Variant(
+        "to0, at most 512 blocks per batch",
+        train=("--min-lr-ratio", "0", "--warmup", "1", "--anchors-per-batch", "512"),
     ),
     "original": Variant("the data's own answers, not regenerated", cache="original"),
     "fp8": Variant("fp8-zstd cache", cache="fp8"),

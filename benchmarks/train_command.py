@@ -2,15 +2,16 @@
 
     PYTHONPATH=. python benchmarks/train_command.py [--preset qwen3.6-27b] [--tokens 16384] [--max-anchors 64]
                                                     [--anchors-per-batch N] [--steps 25] [--warmup 5]
-                                                    [--modes eager,compiled] [--command "dflash-cache"] [--defaults N]
+                                                    [--modes eager,compiled] [--optimizers muon,adamw]
+                                                    [--command "dflash-cache"] [--defaults N]
                                                     [--no-step] [--profile DIR] [--work DIR] [--json FILE]
 
 1. A synthetic bf16-zstd cache shaped like the preset's target (for qwen3.6-27b: 5 layers x hidden 5120,
    vocabulary 248,320; samples of 1000-4000 tokens, random hidden states, as benchmarks/train.py writes
    it) with a random target head, on local disk; enough samples for --steps batches of --tokens.
 2. With --defaults N: `train --drafter PRESET` with no size options, N steps in each mode: what the defaults give.
-3. For each mode, `train --drafter PRESET --token-budget T --max-anchors M --steps S` (`--compile` for
-   compiled), in a new process with new empty Triton and Inductor caches: the tokens/s of the steps after
+3. For each mode and optimizer, `train --drafter PRESET --token-budget T --max-anchors M --steps S
+   --optimizer O` (`--compile` for compiled), in a new process with new empty Triton and Inductor caches: the tokens/s of the steps after
    --warmup, from the run's metrics.jsonl, its first --warmup steps' seconds, and the process's wall time.
 4. Then, in this process, the same batches (the trainer's plan) and anchors (its seeds) through
    benchmarks/drafter.py's step for a drafter built as train builds it: the step without the training
@@ -40,6 +41,7 @@ import dflash_cache.train.train as trainer
 from benchmarks.drafter import timed_steps, train_step
 from benchmarks.profiling import gpu_idle
 from benchmarks.train import write_cache
+from dflash_cache.choices import DEFAULT_OPTIMIZER, OPTIMIZER_DEFAULTS
 from dflash_cache.drafter.anchors import sample_anchors
 from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.head import TargetHead
@@ -52,7 +54,7 @@ from dflash_cache.train.model import build_drafter, check_head, drafter_config_f
 from dflash_cache.train.optim import build_optimizer
 from tests.support.train import write_head
 
-SEED, LR, WEIGHT_DECAY = 0, 6e-4, 0.01  # train's defaults
+SEED = 0  # train's default
 
 
 def run_command(command: list[str], run_dir: Path, log: Path) -> dict:
@@ -101,15 +103,17 @@ def harness(
     steps: int,
     warmup: int,
     device: torch.device,
+    optimizer_kind: str,
 ) -> dict:
-    """benchmarks/drafter.py's step on the trainer's batches and anchors, with the trainer's drafter."""
+    """benchmarks/drafter.py's step on the trainer's batches and anchors, with the trainer's drafter and
+    optimizer at its default rate and weight decay."""
     caches = CacheSet([cache])
     keys, _ = caches.split(0.0)
     plan = EpochPlan(keys, caches.lengths, tokens, SEED, 1, 1)
     batches = plan.rank_batches(0, 0)[:steps]
     config, _ = drafter_config_for(preset, caches.spec, caches.head_dir)
     model = build_drafter(config, TargetHead.load(check_head(caches), device=device), device, SEED)
-    optimizer = build_optimizer(model, LR, WEIGHT_DECAY)
+    optimizer = build_optimizer(model, *OPTIMIZER_DEFAULTS[optimizer_kind], optimizer_kind)
     anchor_budget = plan.anchor_bound(0, config.block_size, max_anchors) if mode == "compiled" else None
     anchor_budget = min(filter(None, (anchor_budget, per_batch)), default=None)  # as train takes them
     runner = DrafterRunner(
@@ -204,6 +208,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25, help="0: leave out 3. and 4.")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the tokens/s")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument(
+        "--optimizers",
+        default=DEFAULT_OPTIMIZER,
+        help="train --optimizer of the runs, each in every mode (comma-separated: side by side)",
+    )
     parser.add_argument("--command", default="dflash-cache", help="how to call the CLI")
     parser.add_argument(
         "--defaults",
@@ -284,8 +293,11 @@ def main() -> None:
             f"{name}: rc {run['rc']} in {run['wall_s']:.0f} s; " + "; ".join(said) + f"; {summary(results[name])}",
             flush=True,
         )
-    for mode in modes if args.steps else []:
-        out = work / f"run-{mode}"
+    optimizers = args.optimizers.split(",")
+    runs = [(mode, kind) for mode in modes for kind in optimizers] if args.steps else []
+    for mode, kind in runs:
+        name = mode if len(optimizers) == 1 else f"{mode}-{kind}"
+        out = work / f"run-{name}"
         shutil.rmtree(out, ignore_errors=True)
         command = [
             *base,
@@ -294,14 +306,16 @@ def main() -> None:
             *sizes,
             "--steps",
             str(args.steps),
+            "--optimizer",
+            kind,
             *(["--compile"] if mode == "compiled" else []),
         ]
-        run = run_command(command, out, work / f"{mode}.log")
+        run = run_command(command, out, work / f"{name}.log")
         if run["rc"] != 0 or len(run["steps"]) < args.steps:
-            raise SystemExit(f"{mode}: train exited {run['rc']} after {len(run['steps'])} steps: {run['last_line']}")
+            raise SystemExit(f"{name}: train exited {run['rc']} after {len(run['steps'])} steps: {run['last_line']}")
         trainer_figures = {**steady(run["steps"], args.warmup), "wall_s": run["wall_s"]}
-        results[mode] = {"train": trainer_figures}
-        line = f"{mode}: train {summary(trainer_figures)}"
+        results[name] = {"train": trainer_figures}
+        line = f"{name}: train {summary(trainer_figures)}"
         if not args.no_step:
             bench = harness(
                 cache,
@@ -313,12 +327,13 @@ def main() -> None:
                 args.steps,
                 args.warmup,
                 device,
+                kind,
             )
-            results[mode].update(step=bench, ratio=trainer_figures["tokens_per_s"] / bench["tokens_per_s"])
+            results[name].update(step=bench, ratio=trainer_figures["tokens_per_s"] / bench["tokens_per_s"])
             line += (
                 f" | the step alone {bench['tokens_per_s']:,.0f} tokens/s ({bench['step_ms']:.1f} ms, "
                 f"{bench['blocks_per_step']:.0f} blocks; first {args.warmup} steps {bench['warmup_s']:.1f} s) | train / step "
-                f"{results[mode]['ratio']:.3f} | first loss {trainer_figures['first_loss']:.4f} / {bench['first_loss']:.4f}"
+                f"{results[name]['ratio']:.3f} | first loss {trainer_figures['first_loss']:.4f} / {bench['first_loss']:.4f}"
             )
         print(line, flush=True)
         if device.type == "cuda":
