@@ -1,16 +1,23 @@
-"""torch's Muon with its Newton-Schulz iteration in a chosen dtype.
+"""torch's Muon with its Newton-Schulz iteration in a chosen dtype, shared out over the ranks.
 
 torch.optim.Muon orthogonalises each update in bf16, which a CPU without bf16 matrix units emulates:
 there a Muon step of a drafter's matrices takes tens of times as long as the same iteration in fp32
 (BENCHMARKS.md, "Every default, on the CPU"). `Muon` makes torch's update, step for step, with the
 iteration in the dtype the drafter's step computes in (target/precision.py).
+
+The iteration is most of a large drafter's optimizer step, and under DDP every rank holds the same
+gradients and momentum, so each would compute the same iterations. Instead each matrix has one owner
+rank (`owners`: the costliest first, each to the least loaded rank), which orthogonalises it and
+broadcasts the result; every rank then applies the same updates.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 
 def orthogonalise(update: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -26,6 +33,23 @@ def orthogonalise(update: torch.Tensor, group: dict, dtype: torch.dtype) -> torc
     return x if wide else x.T
 
 
+def iteration_cost(shape: torch.Size) -> int:
+    """Multiply-adds of one Newton-Schulz round on a matrix of `shape` (a x b, a <= b: two a x a x b
+    products and one a x a x a)."""
+    a, b = sorted(shape)
+    return 2 * a * a * b + a**3
+
+
+def owners(shapes: list[torch.Size], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the costliest first, each to the rank with the least
+    work so far (the lowest rank on a tie), so every rank derives the same assignment."""
+    load, owner = [0] * world, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-iteration_cost(shapes[i]), i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i], load[rank] = rank, load[rank] + iteration_cost(shapes[i])
+    return owner
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with adjust_lr_fn="match_rms_adamw" (the update's RMS matched to AdamW's) and
     the orthogonalisation in `ns_dtype`; its state and param_groups are torch's."""
@@ -36,6 +60,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self) -> None:
+        todo = []  # (parameter, its group) of each matrix with a gradient, its momentum updated
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -43,9 +68,27 @@ class Muon(torch.optim.Muon):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = orthogonalise(update, group, self.ns_dtype)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * (0.2 * math.sqrt(max(p.shape))))
+                state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])
+                todo.append((p, group))
+        for (p, group), update in zip(todo, self._orthogonalised(todo)):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"] * (0.2 * math.sqrt(max(p.shape))))
+
+    def _orthogonal_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        buf = self.state[p]["momentum_buffer"]
+        return orthogonalise(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf, group, self.ns_dtype)
+
+    def _orthogonalised(self, todo: list) -> Iterable[torch.Tensor]:
+        """Each matrix's update, made one at a time as it is applied, or on several ranks each by its owner."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return (self._orthogonal_update(p, group) for p, group in todo)
+        rank, owner = dist.get_rank(), owners([p.shape for p, _ in todo], dist.get_world_size())
+        results = [
+            self._orthogonal_update(p, group).contiguous()  # a tall matrix's comes back transposed
+            if owner[i] == rank
+            else torch.empty(p.shape, dtype=self.ns_dtype, device=p.device)
+            for i, (p, group) in enumerate(todo)
+        ]
+        for work in [dist.broadcast(r, src=owner[i], async_op=True) for i, r in enumerate(results)]:
+            work.wait()
+        return results

@@ -1,12 +1,17 @@
-"""train/muon.py: torch's Muon step for step, with the Newton-Schulz iteration in the step's dtype."""
+"""train/muon.py: torch's Muon step for step, with the Newton-Schulz iteration in the step's dtype and
+shared out over the ranks."""
 
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from dflash_cache.target import precision
-from dflash_cache.train.muon import Muon
+from dflash_cache.train import muon
+from dflash_cache.train.muon import Muon, owners
 from dflash_cache.train.optim import build_optimizer
 
 SHAPES = [(8, 6), (5, 8), (12, 12)]  # tall, wide and square: the iteration runs on the wide side
@@ -51,3 +56,34 @@ def test_the_drafters_muon_iterates_in_the_steps_dtype(monkeypatch, fast, dtype)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8))
     optimizer = build_optimizer(copy.deepcopy(model), lr=1e-2, weight_decay=0.1, kind="muon")
     assert optimizer.parts[0].ns_dtype == dtype
+
+
+def test_each_matrix_has_one_owner_the_costliest_first_to_the_least_loaded_rank():
+    # one round costs 2a^2 b + a^3 (a <= b): (8, 8) 1536, (4, 4) 192, (2, 8) 72, (1, 1) 3
+    shapes = [torch.Size(s) for s in [(4, 4), (2, 8), (8, 8), (1, 1)]]
+    assert owners(shapes, 1) == [0, 0, 0, 0]
+    assert owners(shapes, 2) == [1, 1, 0, 1]  # 1536 on rank 0; 192 + 72 + 3 on rank 1
+    assert owners(shapes, 4) == [1, 2, 0, 3]
+    assert owners([torch.Size((3, 5))] * 4, 3) == [0, 1, 2, 0]
+
+
+def sharded_steps(rank: int, world: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    calls = []
+    real = muon.orthogonalise
+    muon.orthogonalise = lambda update, group, dtype: calls.append(tuple(update.shape)) or real(update, group, dtype)
+    params = run(lambda params: Muon(params, lr=1e-2, weight_decay=0.1, momentum=0.95, ns_dtype=torch.float32))
+    save_file({str(i): p for i, p in enumerate(params)} | {"calls": torch.tensor(len(calls))}, f"{folder}/{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_each_orthogonalise_their_share_and_step_as_one_process(tmp_path):
+    mp.spawn(sharded_steps, args=(2, str(tmp_path)), nprocs=2)
+    alone = run(lambda params: Muon(params, lr=1e-2, weight_decay=0.1, momentum=0.95, ns_dtype=torch.float32))
+    ranks = [load_file(tmp_path / str(rank)) for rank in range(2)]
+    # SHAPES' costs: (12, 12) 5184 to rank 0; (8, 6) 792 and (5, 8) 525 to rank 1; three steps
+    assert [int(r["calls"]) for r in ranks] == [3, 6]
+    for r in ranks:
+        for i, p in enumerate(alone):
+            assert torch.equal(r[str(i)], p)
