@@ -261,6 +261,16 @@ class TrainConfig:
         self.lr = lr if self.lr is None else self.lr
         self.weight_decay = weight_decay if self.weight_decay is None else self.weight_decay
 
+    def warmup_steps(self, total_steps: int) -> int:
+        return self.warmup if self.warmup is not None else int(0.04 * total_steps)
+
+    def describe_optimizer(self, total_steps: int) -> str:
+        norms = "; AdamW on the norms" if self.optimizer == "muon" else ""
+        return (
+            f"optimizer: {self.optimizer} (lr {self.lr:g}, weight decay {self.weight_decay:g}{norms}), "
+            f"{self.warmup_steps(total_steps)} warmup steps, then a cosine to lr {self.lr * self.min_lr_ratio:g}"
+        )
+
     def check(self) -> None:
         self.check_source()
         positive = {

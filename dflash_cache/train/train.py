@@ -192,6 +192,7 @@ def _echo_run(cfg: TrainConfig, source: Source, planned: RunPlan, world: int, ec
         f"of {cfg.token_budget:,} tokens per batch, at most {cfg.max_anchors:,} blocks per sequence"
         + ("" if cfg.anchors_per_batch is None else f" and {cfg.anchors_per_batch:,} per batch")
     )
+    echo(cfg.describe_optimizer(planned.total))
     for line in planned.lines:
         echo(line)
 
@@ -277,8 +278,7 @@ class Trainer:
         ):  # the held-out evaluation too (CPU flex-attention runs unfused, holding every score)
             self.model.attention = "dense"
         self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, cfg.optimizer)
-        warmup = cfg.warmup if cfg.warmup is not None else int(0.04 * self.total)
-        self.scheduler = build_scheduler(self.optimizer, warmup, self.total, cfg.min_lr_ratio)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps(self.total), self.total, cfg.min_lr_ratio)
         out = Path(cfg.out)
         self.checkpointer = Checkpointer(
             out, self.model, self.optimizer, self.scheduler, me, cfg.save_every, cfg.keep_last, self.total

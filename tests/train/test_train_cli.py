@@ -39,6 +39,10 @@ def test_train_then_refuse_to_overwrite_then_resume(tmp_path, setup):
     code, text = cli(*options(cache, drafter, out))
     assert code == 0, text
     assert "Batches per epoch:" in text and "step 2/2 | loss" in text and f"done: {out}" in text
+    assert (
+        "optimizer: muon (lr 0.001, weight decay 0.1; AdamW on the norms), 0 warmup steps, then a cosine to lr 0.0001"
+        in text
+    )
     before = (out / "metrics.jsonl").read_text()
 
     one_line_error(*cli(*options(cache, drafter, out)), "already holds a training run", "--resume")
