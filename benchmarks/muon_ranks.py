@@ -51,7 +51,8 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.ranks)
+    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    dist.init_process_group(backend, rank=rank, world_size=args.ranks, device_id=device_id)
     dist.barrier()
     # every rank alone at once: the group exists for the barriers, so the step is told it is alone
     initialized = dist.is_initialized
