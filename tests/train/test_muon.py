@@ -5,12 +5,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from dflash_cache.target import precision
 from dflash_cache.train import muon
+from dflash_cache.train.distributed import init_rank, launch, shutdown
 from dflash_cache.train.muon import Muon, owners
 from dflash_cache.train.optim import build_optimizer
 
@@ -67,19 +66,19 @@ def test_each_matrix_has_one_owner_the_costliest_first_to_the_least_loaded_rank(
     assert owners([torch.Size((3, 5))] * 4, 3) == [0, 1, 2, 0]
 
 
-def sharded_steps(rank: int, world: int, folder: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+def sharded_steps(rank: int, world: int, device: str, folder: str) -> None:
+    init_rank(rank, world, device, timeout_s=60)
     calls = []
     real = muon.orthogonalise
     muon.orthogonalise = lambda update, group, dtype: calls.append(tuple(update.shape)) or real(update, group, dtype)
     params = run(lambda params: Muon(params, lr=1e-2, weight_decay=0.1, momentum=0.95, ns_dtype=torch.float32))
     save_file({str(i): p for i, p in enumerate(params)} | {"calls": torch.tensor(len(calls))}, f"{folder}/{rank}")
-    dist.destroy_process_group()
+    shutdown()
 
 
 @pytest.mark.slow
 def test_two_ranks_each_orthogonalise_their_share_and_step_as_one_process(tmp_path):
-    mp.spawn(sharded_steps, args=(2, str(tmp_path)), nprocs=2)
+    launch(sharded_steps, ["cpu", "cpu"], (str(tmp_path),))
     alone = run(lambda params: Muon(params, lr=1e-2, weight_decay=0.1, momentum=0.95, ns_dtype=torch.float32))
     ranks = [load_file(tmp_path / str(rank)) for rank in range(2)]
     # SHAPES' costs: (12, 12) 5184 to rank 0; (8, 6) 792 and (5, 8) 525 to rank 1; three steps
