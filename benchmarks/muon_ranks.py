@@ -17,11 +17,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dflash_cache.drafter.config_file import load_drafter_config
 from dflash_cache.drafter.model import DFlashDrafter
 from dflash_cache.target.precision import forward_dtype
+from dflash_cache.train.distributed import init_rank, launch, shutdown
 from dflash_cache.train.muon import Muon
 
 
@@ -46,29 +46,28 @@ def timed_steps(device: torch.device, preset: str, steps: int) -> tuple[float, l
     return sum(seconds[1:]) / steps, [p.detach() for p in matrices]
 
 
-def rank_main(rank: int, args: argparse.Namespace) -> None:
-    device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    dist.init_process_group(backend, rank=rank, world_size=args.ranks, device_id=device_id)
-    dist.barrier()
+def rank_main(rank: int, world: int, device: str, args: argparse.Namespace) -> None:
+    me = init_rank(rank, world, device, timeout_s=600)
+    if me.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.barrier()
     # every rank alone at once: the group exists for the barriers, so the step is told it is alone
     initialized = dist.is_initialized
     dist.is_initialized = lambda: False
-    alone_s, alone = timed_steps(device, args.preset, args.steps)
+    alone_s, alone = timed_steps(me.device, args.preset, args.steps)
     dist.is_initialized = initialized
-    dist.barrier()
-    shared_s, shared = timed_steps(device, args.preset, args.steps)
+    if world > 1:
+        dist.barrier()
+    shared_s, shared = timed_steps(me.device, args.preset, args.steps)
     equal = all(torch.equal(a, b) for a, b in zip(alone, shared))
-    if rank == 0:
+    if me.is_main:
         print(
-            f"{args.ranks} ranks, {args.preset}, {device.type}: every rank every matrix {1e3 * alone_s:.1f} ms a step, "
+            f"{world} ranks, {args.preset}, {me.device.type}: every rank every matrix {1e3 * alone_s:.1f} ms a step, "
             f"each its share {1e3 * shared_s:.1f} ms ({alone_s / shared_s:.2f}x); weights equal: {equal}",
             flush=True,
         )
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main() -> None:
@@ -77,9 +76,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--port", type=int, default=29517)
     args = parser.parse_args()
-    mp.spawn(rank_main, args=(args,), nprocs=args.ranks)
+    devices = [f"cuda:{i}" for i in range(args.ranks)] if args.device == "cuda" else ["cpu"] * args.ranks
+    launch(rank_main, devices, (args,))
 
 
 if __name__ == "__main__":
